@@ -1,0 +1,286 @@
+"""Request slots and the CPU mirror of computed tokens.
+
+The mirror `num_computed_tokens_np` is advanced optimistically by the
+scheduled tokens after every step; the true count lives on the device
+(`num_computed_tokens`) and is only ever updated by device ops. Without
+speculative decoding both agree; with it the mirror is an upper bound until
+`graphattn.spec_decode` corrects it on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphattn.transfer import to_device
+
+__all__ = ["RequestState", "SchedulerOutput"]
+
+
+def _as_int_array(name: str, value: np.ndarray | Sequence[int]) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int32, copy=False)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's schedule, as CPU numbers.
+
+    Parameters
+    ----------
+    req_slots : np.ndarray
+        int32 [num_reqs], the state slot of each scheduled request, in batch order.
+    num_scheduled_tokens : np.ndarray
+        int32 [num_reqs], tokens scheduled for each request this step (>= 1).
+    num_draft_tokens : np.ndarray, optional
+        int32 [num_reqs], speculative tokens among the scheduled ones (<= scheduled - 1).
+    """
+
+    req_slots: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    num_draft_tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.req_slots = _as_int_array("req_slots", self.req_slots)
+        self.num_scheduled_tokens = _as_int_array("num_scheduled_tokens", self.num_scheduled_tokens)
+        n = self.req_slots.shape[0]
+        if self.num_scheduled_tokens.shape[0] != n:
+            raise ValueError(
+                f"num_scheduled_tokens has {self.num_scheduled_tokens.shape[0]} entries, "
+                f"expected {n} (one per req_slots entry)"
+            )
+        if n and self.num_scheduled_tokens.min() < 1:
+            i = int(np.argmin(self.num_scheduled_tokens))
+            raise ValueError(
+                f"num_scheduled_tokens[{i}] = {self.num_scheduled_tokens[i]}, expected >= 1"
+            )
+        if n and np.unique(self.req_slots).size != n:
+            raise ValueError(f"req_slots must be unique, got {self.req_slots.tolist()}")
+        if self.num_draft_tokens is not None:
+            self.num_draft_tokens = _as_int_array("num_draft_tokens", self.num_draft_tokens)
+            if self.num_draft_tokens.shape[0] != n:
+                raise ValueError(
+                    f"num_draft_tokens has {self.num_draft_tokens.shape[0]} entries, expected {n}"
+                )
+            bad = (self.num_draft_tokens < 0) | (self.num_draft_tokens >= self.num_scheduled_tokens)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(
+                    f"num_draft_tokens[{i}] = {self.num_draft_tokens[i]}, expected in "
+                    f"[0, {self.num_scheduled_tokens[i] - 1}] (scheduled minus one)"
+                )
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.req_slots.shape[0])
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return int(self.num_scheduled_tokens.sum())
+
+
+class RequestState:
+    """Fixed-capacity table of live requests.
+
+    Parameters
+    ----------
+    max_num_reqs : int
+        Number of slots.
+    max_model_len : int
+        Longest sequence a request may reach.
+    block_size : int
+        Tokens per KV-cache block.
+    device : torch.device or str
+        Where the device copies (true computed counts, block table) live.
+
+    Attributes
+    ----------
+    num_computed_tokens_np : np.ndarray
+        int32 [max_num_reqs], CPU mirror: an upper bound of the true count.
+    num_prompt_tokens_np : np.ndarray
+        int32 [max_num_reqs].
+    num_pending_drafts_np : np.ndarray
+        int32 [max_num_reqs], draft tokens counted in the mirror whose
+        verification has not reached the CPU yet (0: the mirror is exact).
+    block_table_np : np.ndarray
+        int32 [max_num_reqs, max_num_blocks_per_req].
+    num_computed_tokens : torch.Tensor
+        int32 [max_num_reqs] on `device`: the true count.
+    block_table : torch.Tensor
+        int32 [max_num_reqs, max_num_blocks_per_req] on `device`.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, v in (("max_num_reqs", max_num_reqs), ("max_model_len", max_model_len),
+                        ("block_size", block_size)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.device = torch.device(device)
+        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.block_table_np = np.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32)
+        self.num_pending_drafts_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.active_np = np.zeros(max_num_reqs, dtype=bool)
+        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
+        self.block_table = torch.zeros(
+            (max_num_reqs, self.max_num_blocks_per_req), dtype=torch.int32, device=self.device
+        )
+        self.req_id_to_slot: dict[str, int] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self.req_id_to_slot)
+
+    def add_request(
+        self,
+        req_id: str,
+        num_prompt_tokens: int,
+        block_ids: Sequence[int] | np.ndarray,
+        num_computed_tokens: int = 0,
+    ) -> int:
+        """Put a request in a free slot and return the slot.
+
+        Parameters
+        ----------
+        req_id : str
+            Unique id.
+        num_prompt_tokens : int
+            Prompt length, 1..max_model_len.
+        block_ids : sequence of int
+            KV-cache blocks of the request, at most max_num_blocks_per_req.
+        num_computed_tokens : int
+            Tokens already in the KV cache (prefix-cache hit), < num_prompt_tokens.
+        """
+        if req_id in self.req_id_to_slot:
+            raise ValueError(f"request {req_id!r} is already in slot {self.req_id_to_slot[req_id]}")
+        if not 1 <= num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"num_prompt_tokens = {num_prompt_tokens}, expected in [1, {self.max_model_len}]"
+            )
+        if not 0 <= num_computed_tokens < num_prompt_tokens:
+            raise ValueError(
+                f"num_computed_tokens = {num_computed_tokens}, expected in [0, {num_prompt_tokens})"
+            )
+        blocks = _as_int_array("block_ids", block_ids)
+        if blocks.shape[0] > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"{blocks.shape[0]} block ids, expected at most {self.max_num_blocks_per_req}"
+            )
+        free = np.flatnonzero(~self.active_np)
+        if free.size == 0:
+            raise ValueError(f"no free slot: all {self.max_num_reqs} are in use")
+        slot = int(free[0])
+        self.active_np[slot] = True
+        self.req_id_to_slot[req_id] = slot
+        self.num_prompt_tokens_np[slot] = num_prompt_tokens
+        self.num_computed_tokens_np[slot] = num_computed_tokens
+        self.block_table_np[slot] = 0
+        self.block_table_np[slot, : blocks.shape[0]] = blocks
+        self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
+        self.num_computed_tokens[slot] = num_computed_tokens
+        return slot
+
+    def remove_request(self, req_id: str) -> int:
+        """Free the slot of `req_id` and return it."""
+        if req_id not in self.req_id_to_slot:
+            raise ValueError(f"unknown request {req_id!r}")
+        slot = self.req_id_to_slot.pop(req_id)
+        self.active_np[slot] = False
+        self.num_computed_tokens_np[slot] = 0
+        self.num_prompt_tokens_np[slot] = 0
+        self.num_pending_drafts_np[slot] = 0
+        return slot
+
+    def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
+        """int32 [len(req_ids)] slots of the given requests."""
+        missing = [r for r in req_ids if r not in self.req_id_to_slot]
+        if missing:
+            raise ValueError(f"unknown requests {missing}")
+        return np.fromiter((self.req_id_to_slot[r] for r in req_ids), np.int32, len(req_ids))
+
+    def check_schedule(self, sched: SchedulerOutput) -> None:
+        """Raise ValueError if `sched` names free slots or runs past max_model_len."""
+        slots = sched.req_slots
+        if sched.num_reqs == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.max_num_reqs:
+            raise ValueError(
+                f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
+                f"max {slots.max()}"
+            )
+        inactive = ~self.active_np[slots]
+        if inactive.any():
+            raise ValueError(f"req_slots {slots[inactive].tolist()} hold no request")
+        ends = self.num_computed_tokens_np[slots] + sched.num_scheduled_tokens
+        over = ends > self.max_model_len
+        if over.any():
+            i = int(np.argmax(over))
+            raise ValueError(
+                f"slot {slots[i]}: computed {self.num_computed_tokens_np[slots[i]]} + scheduled "
+                f"{sched.num_scheduled_tokens[i]} = {ends[i]} exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+
+    def postprocess(
+        self,
+        sched: SchedulerOutput,
+        num_rejected: torch.Tensor | None = None,
+        req_slots: torch.Tensor | None = None,
+        num_scheduled: torch.Tensor | None = None,
+    ) -> None:
+        """Advance after a step: CPU mirror optimistically, device truth exactly.
+
+        Parameters
+        ----------
+        sched : SchedulerOutput
+            The step that ran.
+        num_rejected : torch.Tensor, optional
+            int32 [num_reqs] on device: draft tokens the verifier rejected. The
+            CPU mirror ignores it (it is device state); `spec_decode` corrects
+            the mirror once the counts reach the CPU.
+        req_slots, num_scheduled : torch.Tensor, optional
+            Device copies of the schedule (from the InputBatch) to save an H2D copy.
+        """
+        slots = sched.req_slots
+        self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
+        if sched.num_draft_tokens is not None:
+            self.num_pending_drafts_np[slots] += sched.num_draft_tokens
+        if sched.num_reqs == 0:
+            return
+        if req_slots is None:
+            req_slots = to_device(slots.astype(np.int64), self.device)
+        if num_scheduled is None:
+            num_scheduled = to_device(sched.num_scheduled_tokens, self.device)
+        delta = num_scheduled if num_rejected is None else num_scheduled - num_rejected
+        self.num_computed_tokens.index_add_(0, req_slots.long(), delta.to(torch.int32))
+
+    def postprocess_pool(self, sched: SchedulerOutput) -> np.ndarray:
+        """Advance after a step of a pooling model (no sampling, no drafts).
+
+        Returns
+        -------
+        np.ndarray
+            bool [num_reqs]: requests whose prompt is now fully computed.
+        """
+        if sched.num_draft_tokens is not None and sched.num_draft_tokens.any():
+            raise ValueError("pooling models take no draft tokens")
+        self.postprocess(sched)
+        slots = sched.req_slots
+        return self.num_computed_tokens_np[slots] >= self.num_prompt_tokens_np[slots]
