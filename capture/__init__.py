@@ -1,0 +1,1 @@
+"""Graph keys, length buckets, CUDA-graph capture/replay and torch.compile per bucket."""

@@ -1,0 +1,251 @@
+"""CUDA-graph capture per GraphKey into one shared pool, and replay from static buffers."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from capture.dispatcher import GraphKey
+
+__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward"]
+
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+Forward = Callable[[dict[str, torch.Tensor], GraphKey], Outputs]
+PadValue = int | float | Literal["edge"]
+
+
+class GraphNotCapturedError(KeyError):
+    """replay() was asked for a key that has no captured graph."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(slots=True)
+class CaptureReport:
+    """What capture() did.
+
+    Attributes
+    ----------
+    num_graphs : int
+    seconds : float
+        Wall time of the whole capture, warm-up included.
+    pool_bytes : int
+        Device memory reserved by capture (graph pool and static buffers);
+        0 off CUDA.
+    keys : list[GraphKey]
+        In capture order (largest first).
+    """
+
+    num_graphs: int = 0
+    seconds: float = 0.0
+    pool_bytes: int = 0
+    keys: list[GraphKey] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Captured:
+    inputs: dict[str, torch.Tensor]
+    outputs: Outputs
+    graph: torch.cuda.CUDAGraph | None
+
+
+@contextlib.contextmanager
+def _frozen_gc() -> Iterator[None]:
+    # torch.cuda.graph() calls gc.collect() per capture; with everything frozen
+    # that collection has nothing to walk.
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _slice_outputs(out: Outputs, rows: int) -> Outputs:
+    if isinstance(out, torch.Tensor):
+        return out[:rows]
+    return tuple(o[:rows] for o in out)
+
+
+class CUDAGraphManager:
+    """Captures `forward` once per GraphKey and replays it.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(inputs, key) -> Tensor | tuple[Tensor, ...]``. `inputs` maps
+        names to tensors whose shapes are fixed by `key`; every shape decision
+        inside must come from `key` (Python ints), never from tensor data.
+    device : torch.device or str
+        On CUDA, graphs are captured; elsewhere the same static-buffer path
+        runs `forward` eagerly (so CPU tests check the padding semantics).
+    pad_values : mapping of str to number or "edge"
+        Sentinel written into rows of a static buffer that the live input does
+        not cover (default 0; use -1 for slot mappings, "edge" to repeat the
+        last row, e.g. for query_start_loc).
+    on_missing : {"error", "eager"}
+        What `replay` does for a key without a graph: raise
+        GraphNotCapturedError, or run `forward` eagerly on the live inputs.
+    warmup_iters : int
+        Eager runs (on a side stream) before each capture.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        device: torch.device | str,
+        pad_values: Mapping[str, PadValue] | None = None,
+        on_missing: Literal["error", "eager"] = "error",
+        warmup_iters: int = 1,
+    ) -> None:
+        if on_missing not in ("error", "eager"):
+            raise ValueError(f"on_missing = {on_missing!r}, expected 'error' or 'eager'")
+        if warmup_iters < 0:
+            raise ValueError(f"warmup_iters = {warmup_iters}, expected >= 0")
+        self.forward = forward
+        self.device = torch.device(device)
+        self.pad_values = dict(pad_values or {})
+        self.on_missing = on_missing
+        self.warmup_iters = warmup_iters
+        self.use_graphs = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._captured: dict[GraphKey, _Captured] = {}
+        self.num_replays = 0
+        self.num_eager = 0
+
+    @property
+    def keys(self) -> list[GraphKey]:
+        return list(self._captured)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._captured
+
+    def capture(
+        self,
+        keys: Iterable[GraphKey],
+        make_inputs: Callable[[GraphKey], dict[str, torch.Tensor]],
+    ) -> CaptureReport:
+        """Capture every key, largest first, into the shared pool.
+
+        Parameters
+        ----------
+        keys : iterable of GraphKey
+        make_inputs : callable
+            ``make_inputs(key)`` -> dummy inputs of that key's shapes, built
+            from CPU numbers only (all rows padded: slot -1, length 0). They
+            become the graph's static buffers.
+        """
+        order = sorted(set(keys), key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
+                                                 k.max_len_bucket, k.uniform_decode),
+                       reverse=True)
+        report = CaptureReport(keys=order)
+        t0 = time.perf_counter()
+        reserved0 = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
+        with _frozen_gc():
+            for key in order:
+                if key in self._captured:
+                    raise ValueError(f"key {key} is already captured")
+                inputs = {k: v.clone() for k, v in make_inputs(key).items()}
+                self._captured[key] = self._capture_one(key, inputs)
+                report.num_graphs += 1
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+            report.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _capture_one(self, key: GraphKey, inputs: dict[str, torch.Tensor]) -> _Captured:
+        if not self.use_graphs:
+            for _ in range(self.warmup_iters):
+                self.forward(inputs, key)
+            return _Captured(inputs, (), None)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_iters):
+                self.forward(inputs, key)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.forward(inputs, key)
+        return _Captured(inputs, outputs, graph)
+
+    def _copy_in(self, key: GraphKey, static: dict[str, torch.Tensor],
+                 live: Mapping[str, torch.Tensor]) -> None:
+        if live.keys() != static.keys():
+            raise ValueError(
+                f"inputs for {key}: got names {sorted(live)}, expected {sorted(static)}"
+            )
+        for name, src in live.items():
+            dst = static[name]
+            if src.dtype != dst.dtype or src.device != dst.device or src.ndim != dst.ndim:
+                raise ValueError(
+                    f"input {name!r}: got {src.dtype} {tuple(src.shape)} on {src.device}, "
+                    f"expected {dst.dtype} {tuple(dst.shape)} on {dst.device}"
+                )
+            if any(s > d for s, d in zip(src.shape, dst.shape, strict=True)):
+                raise ValueError(
+                    f"input {name!r} of shape {tuple(src.shape)} does not fit the static "
+                    f"buffer {tuple(dst.shape)} of {key}"
+                )
+            if src.shape == dst.shape:
+                dst.copy_(src, non_blocking=True)
+                continue
+            n = src.shape[0]
+            dst[tuple(slice(0, s) for s in src.shape)].copy_(src, non_blocking=True)
+            pad = self.pad_values.get(name, 0)
+            for d in range(1, src.ndim):  # trailing columns the live input lacks
+                if src.shape[d] < dst.shape[d]:
+                    dst[:n].narrow(d, src.shape[d], dst.shape[d] - src.shape[d]).fill_(
+                        0 if pad == "edge" else pad)
+            if n < dst.shape[0]:
+                if pad == "edge":
+                    if n == 0:
+                        raise ValueError(f"input {name!r}: 'edge' padding needs at least one row")
+                    dst[n:].copy_(dst[n - 1 : n].expand_as(dst[n:]))
+                else:
+                    dst[n:].fill_(pad)
+
+    def replay(self, key: GraphKey, inputs: Mapping[str, torch.Tensor], out_rows: int) -> Outputs:
+        """Run the graph of `key` on live inputs; return outputs[:out_rows].
+
+        Live inputs are copied into the static buffers (rows they do not cover
+        get the pad sentinel). On CUDA the returned tensors are views of the
+        graph's static outputs: the next replay overwrites them.
+
+        Raises
+        ------
+        GraphNotCapturedError
+            No graph for `key` and on_missing="error".
+        ValueError
+            Names, dtypes or shapes that do not fit the key's static buffers.
+        """
+        cap = self._captured.get(key)
+        if cap is None:
+            if self.on_missing == "error":
+                raise GraphNotCapturedError(
+                    f"no graph captured for {key}; captured: {len(self._captured)} keys"
+                )
+            self.num_eager += 1
+            return _slice_outputs(self.forward(dict(inputs), key), out_rows)
+        self._copy_in(key, cap.inputs, inputs)
+        self.num_replays += 1
+        if cap.graph is None:
+            return _slice_outputs(self.forward(cap.inputs, key), out_rows)
+        cap.graph.replay()
+        return _slice_outputs(cap.outputs, out_rows)
+
+    def replay_only(self, key: GraphKey) -> None:
+        """Replay `key`'s graph with whatever its buffers hold (the benchmark floor)."""
+        cap = self._captured[key]
+        if cap.graph is None:
+            self.forward(cap.inputs, key)
+        else:
+            cap.graph.replay()

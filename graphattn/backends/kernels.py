@@ -1,0 +1,165 @@
+"""Plain-torch attention pieces shared by the backends; fixed shapes, no host reads.
+
+KV caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; the last
+block is a sink that padded tokens (slot -1) write into, so a padded row
+writes nowhere a request can read.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+__all__ = [
+    "allocate_kv_cache",
+    "gather_paged",
+    "grouped_attention",
+    "merge_attention",
+    "token_request_index",
+    "write_to_cache",
+]
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeroed cache of ``num_blocks + 1`` blocks (the extra one is the sink).
+
+    Returns
+    -------
+    torch.Tensor
+        [num_blocks + 1, block_size, num_kv_heads, head_dim].
+    """
+    if min(num_blocks, block_size, num_kv_heads, head_dim) < 1:
+        raise ValueError(
+            f"cache dims must be >= 1, got blocks={num_blocks} block_size={block_size} "
+            f"heads={num_kv_heads} head_dim={head_dim}"
+        )
+    return torch.zeros(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype,
+                       device=device)
+
+
+def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values[i]`` to slot ``slot_mapping[i]``; slot -1 goes to the sink.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        [num_blocks, block_size, heads, dim], written in place.
+    slot_mapping : torch.Tensor
+        int64 [>= n] flat slot per token.
+    values : torch.Tensor
+        [n, heads, dim].
+    """
+    flat = cache.view(-1, *cache.shape[2:])
+    n = values.shape[0]
+    if slot_mapping.shape[0] < n:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, expected >= {n}")
+    slots = slot_mapping[:n]
+    sink = flat.shape[0] - 1
+    idx = torch.where(slots >= 0, slots, torch.full_like(slots, sink))
+    flat.index_copy_(0, idx, values.to(flat.dtype))
+
+
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The first `num_blocks` blocks of each row, as contiguous positions.
+
+    Returns
+    -------
+    torch.Tensor
+        [rows, num_blocks * block_size, heads, dim]; position p of row r is
+        at index p.
+    """
+    if not 1 <= num_blocks <= block_table.shape[1]:
+        raise ValueError(f"num_blocks = {num_blocks}, expected in [1, {block_table.shape[1]}]")
+    return cache[block_table[:, :num_blocks].long()].flatten(1, 2)
+
+
+def token_request_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int64 [num_tokens]: row of each token (tokens past the last row: the last row)."""
+    rows = query_start_loc.shape[0] - 1
+    t = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    idx = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
+    return idx.clamp_(max=max(rows - 1, 0)).long()
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_hi: torch.Tensor,
+    key_lo: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries over per-group keys with key windows.
+
+    Query n of group b sees keys l with ``key_lo[b, n] <= l < key_hi[b, n]``;
+    a query that sees none gets output 0 and lse -inf.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [B, N, H, D].
+    k : torch.Tensor
+        [B, L, Hkv, D], H a multiple of Hkv (query head h uses kv head h // (H / Hkv)).
+    v : torch.Tensor
+        [B, L, Hkv, Dv].
+    key_hi, key_lo : torch.Tensor
+        int [B, N].
+    scale : float, optional
+        Default D ** -0.5.
+
+    Returns
+    -------
+    out : torch.Tensor
+        [B, N, H, Dv] in q's dtype.
+    lse : torch.Tensor
+        [B, N, H] float32 (float64 for float64 inputs), natural log.
+    """
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    if h % hkv:
+        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {hkv}")
+    cdt = _compute_dtype(q)
+    scale = d ** -0.5 if scale is None else scale
+    qg = rearrange(q.to(cdt), "b n (k g) d -> b k g n d", k=hkv)
+    scores = torch.einsum("bkgnd,blkd->bkgnl", qg, k.to(cdt)) * scale
+    pos = torch.arange(k.shape[1], device=q.device)
+    mask = pos < key_hi.unsqueeze(-1)
+    if key_lo is not None:
+        mask &= pos >= key_lo.unsqueeze(-1)
+    mask = mask[:, None, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    s = p.sum(-1, keepdim=True)
+    out = torch.einsum("bkgnl,blkd->bkgnd", p, v.to(cdt)) / s.clamp_min(torch.finfo(cdt).tiny)
+    lse = (torch.log(s) + m).squeeze(-1)
+    out = rearrange(out, "b k g n d -> b n (k g) d").to(q.dtype)
+    return out, rearrange(lse, "b k g n -> b n (k g)")
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint key sets by their log-sum-exp.
+
+    Parameters
+    ----------
+    out_a, out_b : torch.Tensor
+        [..., H, Dv].
+    lse_a, lse_b : torch.Tensor
+        [..., H].
+    """
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = wa + wb
+    cdt = lse_a.dtype
+    out = (out_a.to(cdt) * wa.unsqueeze(-1) + out_b.to(cdt) * wb.unsqueeze(-1)) / (
+        total.clamp_min(torch.finfo(cdt).tiny).unsqueeze(-1)
+    )
+    return out.to(out_a.dtype), m + torch.log(total)

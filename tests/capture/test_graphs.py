@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from capture.dispatcher import GraphKey
+from capture.graphs import CUDAGraphManager, GraphNotCapturedError
+from graphattn.sync import no_host_sync
+
+
+def toy_forward(inputs, key):
+    # rows: tokens; a padded slot (-1) must contribute nothing
+    x, slot = inputs["x"], inputs["slot"]
+    w = (slot >= 0).to(x.dtype).unsqueeze(-1)
+    return (x * w * 2 + key.max_len_bucket) * w, x.sum(-1)
+
+
+def make_inputs(device):
+    def f(key):
+        t = key.num_tokens_padded
+        return {"x": torch.zeros(t, 3, device=device),
+                "slot": torch.full((t,), -1, dtype=torch.int64, device=device),
+                "qsl": torch.zeros(key.num_reqs_padded + 1, dtype=torch.int32, device=device)}
+    return f
+
+
+def keys():
+    return [GraphKey(2, 2, 16, True), GraphKey(4, 4, 16, True), GraphKey(8, 8, 32, False)]
+
+
+def run_manager(device):
+    m = CUDAGraphManager(toy_forward, device, pad_values={"slot": -1, "qsl": "edge"})
+    report = m.capture(keys(), make_inputs(device))
+    assert report.num_graphs == 3 and report.keys[0] == GraphKey(8, 8, 32, False)
+    x = torch.randn(3, 3, device=device) + 0.5
+    live = {"x": x, "slot": torch.tensor([4, 7, 1], device=device),
+            "qsl": torch.tensor([0, 1, 3], dtype=torch.int32, device=device)}
+    with no_host_sync():
+        out, s = m.replay(GraphKey(4, 4, 16, True), live, 3)
+    torch.testing.assert_close(out, x * 2 + 16)
+    torch.testing.assert_close(s, x.sum(-1))
+    static = m._captured[GraphKey(4, 4, 16, True)].inputs
+    assert static["slot"].tolist() == [4, 7, 1, -1]  # padded with the sentinel
+    assert static["qsl"].tolist() == [0, 1, 3, 3, 3]  # "edge" padding
+    assert static["x"][3].abs().sum().item() == 0.0
+    return m
+
+
+def test_cpu_fallback_semantics():
+    m = run_manager("cpu")
+    assert m.num_replays == 1 and not m.use_graphs
+
+
+def test_missing_key_error_or_eager():
+    m = CUDAGraphManager(toy_forward, "cpu", pad_values={"slot": -1})
+    m.capture(keys()[:1], make_inputs("cpu"))
+    live = {"x": torch.ones(1, 3), "slot": torch.tensor([0]), "qsl": torch.tensor([0, 1],
+                                                                                  dtype=torch.int32)}
+    with pytest.raises(GraphNotCapturedError, match="no graph captured for reqs=3"):
+        m.replay(GraphKey(3, 3, 16, True), live, 1)
+    eager = CUDAGraphManager(toy_forward, "cpu", on_missing="eager")
+    out, _ = eager.replay(GraphKey(1, 1, 16, True), live, 1)
+    assert out.tolist() == [[18.0, 18.0, 18.0]] and eager.num_eager == 1
+
+
+def test_bad_inputs_rejected():
+    m = CUDAGraphManager(toy_forward, "cpu")
+    m.capture(keys()[:1], make_inputs("cpu"))
+    k = keys()[0]
+    good = {"x": torch.ones(2, 3), "slot": torch.zeros(2, dtype=torch.int64),
+            "qsl": torch.zeros(3, dtype=torch.int32)}
+    with pytest.raises(ValueError, match="got names"):
+        m.replay(k, {"x": good["x"]}, 2)
+    with pytest.raises(ValueError, match=r"does not fit the static buffer \(2, 3\)"):
+        m.replay(k, {**good, "x": torch.ones(3, 3)}, 2)
+    with pytest.raises(ValueError, match="expected torch.float32"):
+        m.replay(k, {**good, "x": torch.ones(2, 3, dtype=torch.float64)}, 2)
+    with pytest.raises(ValueError, match="already captured"):
+        m.capture(keys()[:1], make_inputs("cpu"))
+    with pytest.raises(ValueError, match="on_missing"):
+        CUDAGraphManager(toy_forward, "cpu", on_missing="maybe")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    m = run_manager("cuda")
+    assert m.use_graphs
+    # re-replaying with new data changes the output: the graph reads the static buffers
+    x = torch.randn(2, 3, device="cuda")
+    live = {"x": x, "slot": torch.tensor([0, 1], device="cuda"),
+            "qsl": torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = m.replay(GraphKey(2, 2, 16, True), live, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(out, x * 2 + 16)
