@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from graphattn.sync import opaque_region
+
 __all__ = ["BucketCompiler", "RecompileError"]
 
 
@@ -89,7 +91,7 @@ class BucketCompiler:
         return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _dynamo_limits(self.max_compiles):
+        with _dynamo_limits(self.max_compiles), opaque_region():
             try:
                 return self._compiled(*args, **kwargs)
             except Exception as e:

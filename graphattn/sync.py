@@ -11,9 +11,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode_temporarily,
+)
 
-__all__ = ["HostSyncError", "SyncCounter", "count_host_syncs", "no_host_sync", "note_host_read"]
+__all__ = [
+    "HostSyncError",
+    "SyncCounter",
+    "count_host_syncs",
+    "no_host_sync",
+    "note_host_read",
+    "opaque_region",
+]
 
 
 class HostSyncError(RuntimeError):
@@ -157,3 +168,21 @@ def note_host_read(what: str) -> None:
             mode.counter.count += 1
             mode.counter.reasons.append(what)
             return
+
+
+@contextlib.contextmanager
+def opaque_region() -> Iterator[None]:
+    """Lift the dispatcher-level check for a torch-compiled region.
+
+    Dynamo refuses to trace (and flex_attention refuses to run) while a Python
+    dispatch mode is active, so compiled code (torch.compile artifacts,
+    flex_attention) runs in this block with the check of `no_host_sync()`
+    paused. On CUDA, ``set_sync_debug_mode("error")`` still applies inside, so
+    a synchronizing CUDA call there is still caught.
+    """
+    stack = _get_current_dispatch_mode_stack()
+    if not stack or not isinstance(stack[-1], _SyncMode):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield

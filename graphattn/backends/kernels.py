@@ -13,9 +13,12 @@ from einops import rearrange
 __all__ = [
     "allocate_kv_cache",
     "gather_paged",
+    "gather_positions",
     "grouped_attention",
     "merge_attention",
+    "token_positions",
     "token_request_index",
+    "block_count",
     "write_to_cache",
 ]
 
@@ -72,6 +75,43 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int
     if not 1 <= num_blocks <= block_table.shape[1]:
         raise ValueError(f"num_blocks = {num_blocks}, expected in [1, {block_table.shape[1]}]")
     return cache[block_table[:, :num_blocks].long()].flatten(1, 2)
+
+
+def gather_positions(cache: torch.Tensor, block_table: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Entries at arbitrary positions of each row.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        [num_blocks, block_size, heads, dim].
+    block_table : torch.Tensor
+        int [rows, max_blocks].
+    positions : torch.Tensor
+        int [rows, W]; clamped into the row's table (mask the result yourself).
+
+    Returns
+    -------
+    torch.Tensor
+        [rows, W, heads, dim].
+    """
+    bs = cache.shape[1]
+    pos = positions.long().clamp(0, block_table.shape[1] * bs - 1)
+    blocks = torch.gather(block_table.long(), 1, pos // bs)
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat[blocks * bs + pos % bs]
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    req: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: sequence position of each token (query tokens are the last of the row)."""
+    t = torch.arange(req.shape[0], device=req.device)
+    return (seq_lens[req] - (query_start_loc[req + 1] - t)).long()
+
+
+def block_count(max_len: int, block_size: int, max_blocks: int) -> int:
+    """Blocks that hold `max_len` positions, in [1, max_blocks]."""
+    return min(max(-(-max_len // block_size), 1), max_blocks)
 
 
 def token_request_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ class BackendMetadata:
     graph's static inputs, and `with_tensors` rebinds them to static buffers.
     """
 
+    __slots__ = ()
     tensor_fields: ClassVar[tuple[str, ...]] = ()
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -92,3 +92,16 @@ def test_repeat_interleave_with_output_size_allowed():
     with no_host_sync():
         out = torch.repeat_interleave(r, output_size=3)
     assert out.tolist() == [0, 1, 1]
+
+
+def test_opaque_region_pauses_dispatch_check_only_inside():
+    from graphattn.sync import opaque_region
+
+    t = torch.ones(3)
+    with no_host_sync():
+        with opaque_region():
+            t.sum().item()  # a compiled region's internals are not seen here
+        with pytest.raises(HostSyncError):
+            t.sum().item()
+    with opaque_region():
+        pass

@@ -1,0 +1,178 @@
+"""Encoder-decoder cross attention over a paged cache of encoder K/V."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from capture.dispatcher import GraphKey
+from graphattn.backends.kernels import (
+    block_count,
+    gather_paged,
+    grouped_attention,
+    token_request_index,
+    write_to_cache,
+)
+from graphattn.backends.paged import check_key_fits
+from graphattn.backends.registry import BackendMetadata
+from graphattn.metadata import CommonAttentionMetadata
+from graphattn.transfer import to_device
+
+__all__ = ["CrossAttentionBuilder", "CrossAttentionImpl", "CrossAttentionMetadata"]
+
+
+@dataclass(slots=True)
+class CrossAttentionMetadata(BackendMetadata):
+    """Cross-attention plan and tensors.
+
+    Attributes
+    ----------
+    num_computed_tokens_cpu : np.ndarray
+        int32 [rows], bound - query lens (exact where it decides anything: a
+        row's first step has no drafts).
+    num_cache_decodes : int
+        Rows whose encoder K/V is already cached (computed tokens > 0).
+    num_encoder_tokens : int
+        Encoder tokens written this step (rows in their first step).
+    max_encoder_len : int
+        Encoder positions gathered per row.
+    encoder_seq_lens : int32 [rows]; cross_block_table : int32 [rows, blocks];
+    cross_slot_mapping : int64 [num_encoder_tokens]; query_start_loc : int32 [rows + 1].
+    """
+
+    tensor_fields: ClassVar[tuple[str, ...]] = (
+        "query_start_loc", "encoder_seq_lens", "cross_block_table", "cross_slot_mapping")
+    num_computed_tokens_cpu: np.ndarray
+    num_cache_decodes: int
+    num_encoder_tokens: int
+    max_encoder_len: int
+    num_kv_blocks: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    encoder_seq_lens: torch.Tensor
+    cross_block_table: torch.Tensor
+    cross_slot_mapping: torch.Tensor
+
+
+class CrossAttentionBuilder:
+    """Plans cross attention from CPU numbers.
+
+    Parameters
+    ----------
+    block_size : int
+    max_encoder_len : int
+        Encoder positions gathered inside a captured graph (a key fixes no
+        encoder length, so graphs use this cap).
+    """
+
+    def __init__(self, block_size: int, max_encoder_len: int) -> None:
+        if block_size < 1 or max_encoder_len < 1:
+            raise ValueError(
+                f"block_size = {block_size}, max_encoder_len = {max_encoder_len}: both must be >= 1"
+            )
+        self.block_size = block_size
+        self.max_encoder_len = max_encoder_len
+
+    def build(self, common: CommonAttentionMetadata, encoder_seq_lens_np: np.ndarray,
+              cross_block_table_np: np.ndarray, cross_block_table: torch.Tensor,
+              key: GraphKey | None = None) -> CrossAttentionMetadata:
+        """Metadata of one batch.
+
+        Parameters
+        ----------
+        encoder_seq_lens_np : np.ndarray
+            int32 [rows] encoder length per row (0 in padded rows).
+        cross_block_table_np, cross_block_table : np.ndarray, torch.Tensor
+            int32 [rows, blocks]: the encoder cache blocks per row, CPU and device.
+        """
+        rows = common.num_reqs
+        enc = np.asarray(encoder_seq_lens_np, dtype=np.int32)
+        if enc.shape != (rows,) or cross_block_table_np.shape[0] != rows:
+            raise ValueError(
+                f"encoder_seq_lens {enc.shape} / cross_block_table "
+                f"{cross_block_table_np.shape}: expected {rows} rows"
+            )
+        if enc.size and enc.max() > self.max_encoder_len:
+            raise ValueError(
+                f"encoder length {enc.max()} exceeds max_encoder_len {self.max_encoder_len}"
+            )
+        qlens = common.query_lens_cpu
+        computed = common.num_computed_tokens_cpu_upper_bound
+        first = (computed == 0) & (qlens > 0)
+        new_enc = np.where(first, enc, 0)
+        total = int(new_enc.sum())
+        if key is not None:
+            check_key_fits(common, key)
+            if total:
+                raise ValueError(
+                    f"a graph key cannot write encoder tokens; {int(first.sum())} rows are in "
+                    "their first step (run them eager)"
+                )
+            max_enc = self.max_encoder_len
+        else:
+            max_enc = int(enc.max(initial=1))
+        row = np.repeat(np.arange(rows), new_enc)
+        e = np.arange(total) - np.repeat(np.cumsum(new_enc) - new_enc, new_enc)
+        bs = self.block_size
+        slots = cross_block_table_np[row, e // bs].astype(np.int64) * bs + e % bs
+        device = common.query_start_loc.device
+        return CrossAttentionMetadata(
+            num_computed_tokens_cpu=computed,
+            num_cache_decodes=int((computed > 0).sum()),
+            num_encoder_tokens=total,
+            max_encoder_len=max_enc,
+            num_kv_blocks=block_count(max_enc, bs, cross_block_table.shape[1]),
+            num_actual_tokens=common.num_actual_tokens,
+            query_start_loc=common.query_start_loc,
+            encoder_seq_lens=to_device(enc, device),
+            cross_block_table=cross_block_table,
+            cross_slot_mapping=to_device(slots, device),
+        )
+
+
+class CrossAttentionImpl:
+    """Decoder queries over their request's encoder K/V (no causal mask)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 scale: float | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def forward(self, q: torch.Tensor, encoder_k: torch.Tensor | None,
+                encoder_v: torch.Tensor | None, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: CrossAttentionMetadata) -> torch.Tensor:
+        """Cross-attention output.
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            [T, H, D] decoder queries.
+        encoder_k, encoder_v : torch.Tensor or None
+            [num_encoder_tokens, Hkv, D] for the rows in their first step,
+            concatenated in row order; None when there are none.
+        kv_cache : (k_cache, v_cache) of the encoder side.
+
+        Returns
+        -------
+        torch.Tensor
+            [T, H, D]; tokens past the real ones give 0.
+        """
+        k_cache, v_cache = kv_cache
+        if meta.num_encoder_tokens:
+            if encoder_k is None or encoder_k.shape[0] != meta.num_encoder_tokens:
+                got = None if encoder_k is None else encoder_k.shape[0]
+                raise ValueError(f"encoder_k has {got} tokens, expected {meta.num_encoder_tokens}")
+            write_to_cache(k_cache, meta.cross_slot_mapping, encoder_k)
+            write_to_cache(v_cache, meta.cross_slot_mapping, encoder_v)
+        t = q.shape[0]
+        req = token_request_index(meta.query_start_loc, t)
+        real = torch.arange(t, device=q.device) < meta.query_start_loc[-1]
+        hi = torch.where(real, meta.encoder_seq_lens[req].long(), 0)
+        kc = gather_paged(k_cache, meta.cross_block_table, meta.num_kv_blocks)[req]
+        vc = gather_paged(v_cache, meta.cross_block_table, meta.num_kv_blocks)[req]
+        out, _ = grouped_attention(q.unsqueeze(1), kc, vc, hi.unsqueeze(1), scale=self.scale)
+        return out.squeeze(1)

@@ -1,0 +1,134 @@
+"""flex_attention over a paged cache, block mask sized by the length bucket.
+
+The gathered KV length is the *bucket* of the upper bound (never the live
+length), so one compiled flex kernel serves every batch of a bucket; the
+mask itself reads the true lengths on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from einops import rearrange
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from capture.buckets import LengthBuckets
+from capture.dispatcher import GraphKey
+from graphattn.backends.kernels import (
+    block_count,
+    gather_paged,
+    token_positions,
+    token_request_index,
+    write_to_cache,
+)
+from graphattn.backends.paged import check_key_fits
+from graphattn.backends.registry import BackendMetadata
+from graphattn.metadata import CommonAttentionMetadata
+from graphattn.sync import opaque_region
+
+__all__ = ["FlexAttentionBuilder", "FlexAttentionImpl", "FlexAttentionMetadata"]
+
+
+@dataclass(slots=True)
+class FlexAttentionMetadata(BackendMetadata):
+    """Flex plan: max_len is a bucket; the KV axis is rows * num_kv_blocks * block_size."""
+
+    tensor_fields: ClassVar[tuple[str, ...]] = (
+        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    max_len: int
+    num_kv_blocks: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class FlexAttentionBuilder:
+    """Parameters: block_size, and the LengthBuckets that size the block mask."""
+
+    def __init__(self, block_size: int, length_buckets: LengthBuckets) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size = {block_size}, expected >= 1")
+        self.block_size = block_size
+        self.length_buckets = length_buckets
+
+    def build(self, common: CommonAttentionMetadata,
+              key: GraphKey | None = None) -> FlexAttentionMetadata:
+        if key is not None:
+            check_key_fits(common, key)
+            max_len = key.max_len_bucket
+        else:
+            max_len = self.length_buckets.bucket(common.max_seq_len)
+        return FlexAttentionMetadata(
+            max_len=max_len,
+            num_kv_blocks=block_count(max_len, self.block_size,
+                                      common.block_table_tensor.shape[1]),
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+            block_table=common.block_table_tensor, slot_mapping=common.slot_mapping)
+
+
+class FlexAttentionImpl:
+    """Paged attention through flex_attention (compiled on CUDA by default).
+
+    Parameters
+    ----------
+    num_heads, head_dim, num_kv_heads : int
+    compile : bool, optional
+        torch.compile flex_attention (default: on CUDA only; off elsewhere, where
+        the unfused reference implementation runs).
+    mask_block_size : int
+        BLOCK_SIZE of the block mask.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 scale: float | None = None, compile: bool | None = None,
+                 mask_block_size: int = 128) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.compile = compile
+        self.mask_block_size = mask_block_size
+        self._compiled = None
+
+    def _flex(self, device: torch.device):
+        use = self.compile if self.compile is not None else device.type == "cuda"
+        if not use:
+            return flex_attention
+        if self._compiled is None:
+            self._compiled = torch.compile(flex_attention, dynamic=False)
+        return self._compiled
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: FlexAttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D] (padded tokens give 0)."""
+        k_cache, v_cache = kv_cache
+        write_to_cache(k_cache, meta.slot_mapping, k)
+        write_to_cache(v_cache, meta.slot_mapping, v)
+        t = q.shape[0]
+        rows = meta.block_table.shape[0]
+        if t == 0 or rows == 0:
+            return q.new_zeros(t, q.shape[1], v.shape[-1])
+        kv_per_row = meta.num_kv_blocks * k_cache.shape[1]
+        keys = rearrange(gather_paged(k_cache, meta.block_table, meta.num_kv_blocks),
+                         "r l h d -> 1 h (r l) d")
+        vals = rearrange(gather_paged(v_cache, meta.block_table, meta.num_kv_blocks),
+                         "r l h d -> 1 h (r l) d")
+        req = token_request_index(meta.query_start_loc, t)
+        pos = token_positions(meta.query_start_loc, meta.seq_lens, req)
+        valid = meta.slot_mapping[:t] >= 0
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            row = kv_idx // kv_per_row
+            return (row == req[q_idx]) & (kv_idx - row * kv_per_row <= pos[q_idx]) & valid[q_idx]
+
+        block_mask = create_block_mask(mask_mod, None, None, t, rows * kv_per_row,
+                                       device=q.device, BLOCK_SIZE=self.mask_block_size)
+        with opaque_region():
+            out = self._flex(q.device)(
+                rearrange(q, "t h d -> 1 h t d"), keys.to(q.dtype), vals.to(q.dtype),
+                block_mask=block_mask, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads)
+        return rearrange(out, "1 h t d -> t h d")

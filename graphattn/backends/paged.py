@@ -1,0 +1,199 @@
+"""Paged KV-cache attention for mixed decode + prefill batches (plain torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from capture.dispatcher import GraphKey
+from graphattn.backends.kernels import (
+    block_count,
+    gather_paged,
+    grouped_attention,
+    token_positions,
+    token_request_index,
+    write_to_cache,
+)
+from graphattn.backends.registry import BackendMetadata
+from graphattn.metadata import CommonAttentionMetadata
+
+__all__ = ["PagedAttentionBuilder", "PagedAttentionImpl", "PagedAttentionMetadata",
+           "check_key_fits", "leading_decodes"]
+
+
+def leading_decodes(query_lens: np.ndarray, decode_query_len: int) -> int:
+    """Rows at the front whose query length is exactly `decode_query_len`."""
+    is_dec = query_lens == decode_query_len
+    return int(is_dec.size if is_dec.all() else np.argmin(is_dec))
+
+
+def check_key_fits(common: CommonAttentionMetadata, key: GraphKey) -> None:
+    """Raise ValueError unless the batch was padded to `key` and fits its bucket."""
+    got = (common.num_reqs, common.num_tokens_padded)
+    want = (key.num_reqs_padded, key.num_tokens_padded)
+    if got != want:
+        raise ValueError(f"batch padded to (reqs, tokens) = {got}, expected {want} for {key}")
+    if common.max_seq_len > key.max_len_bucket:
+        raise ValueError(
+            f"max_seq_len {common.max_seq_len} exceeds the key's bucket {key.max_len_bucket}"
+        )
+    if key.uniform_decode:
+        q = common.query_lens_cpu
+        bad = (q != key.query_len) & (q != 0)
+        if bad.any():
+            raise ValueError(
+                f"uniform key {key} needs query length {key.query_len} in every real row, got "
+                f"{q[bad].tolist()}"
+            )
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata(BackendMetadata):
+    """Plan (CPU ints) and device tensors of paged attention.
+
+    Attributes
+    ----------
+    num_decodes, num_decode_tokens, decode_query_len : int
+        The first `num_decodes` rows run the batched decode path, each with
+        `decode_query_len` tokens; the rest run the token-level path.
+    max_len : int
+        Upper bound of every row's length (bound max, or the key's bucket).
+    num_kv_blocks : int
+        Blocks gathered per row, ceil(max_len / block_size).
+    query_start_loc : int32 [rows + 1]; seq_lens : int32 [rows] (true lengths);
+    block_table : int32 [rows, max_blocks]; slot_mapping : int64 [tokens].
+    """
+
+    tensor_fields: ClassVar[tuple[str, ...]] = (
+        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    num_decodes: int
+    num_decode_tokens: int
+    decode_query_len: int
+    max_len: int
+    num_kv_blocks: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class PagedAttentionBuilder:
+    """Plans PagedAttentionMetadata from CPU numbers only.
+
+    Parameters
+    ----------
+    block_size : int
+    decode_query_len : int
+        Query length of a decode row (1 + speculative tokens).
+    """
+
+    def __init__(self, block_size: int, decode_query_len: int = 1) -> None:
+        if block_size < 1 or decode_query_len < 1:
+            raise ValueError(
+                f"block_size = {block_size} and decode_query_len = {decode_query_len} must be >= 1"
+            )
+        self.block_size = block_size
+        self.decode_query_len = decode_query_len
+
+    def plan(self, common: CommonAttentionMetadata, key: GraphKey | None) -> dict[str, int]:
+        """The CPU ints: from the key when given (so a graph's plan is fixed), else the batch."""
+        if key is not None:
+            check_key_fits(common, key)
+            nd = key.num_reqs_padded if key.uniform_decode else 0
+            qd = key.query_len if key.uniform_decode else self.decode_query_len
+            max_len = key.max_len_bucket
+        else:
+            qd = self.decode_query_len
+            nd = leading_decodes(common.query_lens_cpu, qd)
+            max_len = common.max_seq_len
+        nb = block_count(max_len, self.block_size, common.block_table_tensor.shape[1])
+        return dict(num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd,
+                    max_len=max_len, num_kv_blocks=nb)
+
+    def build(self, common: CommonAttentionMetadata,
+              key: GraphKey | None = None) -> PagedAttentionMetadata:
+        """Metadata of `common`; with `key`, the plan of that key's graph."""
+        return PagedAttentionMetadata(
+            **self.plan(common, key),
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping,
+        )
+
+
+class PagedAttentionImpl:
+    """Writes K/V into the paged cache, then attends (fixed shapes for a plan).
+
+    Parameters
+    ----------
+    num_heads, head_dim, num_kv_heads : int
+    scale : float, optional
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 scale: float | None = None) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of {self.num_kv_heads}")
+        self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: PagedAttentionMetadata) -> torch.Tensor:
+        """Attention output.
+
+        Parameters
+        ----------
+        q : [T, H, D]; k, v : [T, Hkv, D]
+            T = tokens of the (padded) batch.
+        kv_cache : (k_cache, v_cache)
+            Each [num_blocks + 1, block_size, Hkv, D] (last block: sink).
+
+        Returns
+        -------
+        torch.Tensor
+            [T, H, D]; padded tokens give 0.
+        """
+        k_cache, v_cache = kv_cache
+        write_to_cache(k_cache, meta.slot_mapping, k)
+        write_to_cache(v_cache, meta.slot_mapping, v)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention over what the cache holds (used by paged and reused by MLA decode)."""
+    t_total = q.shape[0]
+    nd, ndt, qd, nb = (meta.num_decodes, meta.num_decode_tokens, meta.decode_query_len,
+                       meta.num_kv_blocks)
+    outs = []
+    if nd:
+        kc = gather_paged(k_cache, meta.block_table[:nd], nb)
+        vc = gather_paged(v_cache, meta.block_table[:nd], nb)
+        j = torch.arange(qd, device=q.device)
+        hi = (meta.seq_lens[:nd, None] - qd + 1 + j).clamp_(min=0)
+        o, _ = grouped_attention(q[:ndt].reshape(nd, qd, *q.shape[1:]), kc, vc, hi, scale=scale)
+        outs.append(o.reshape(ndt, q.shape[1], v_cache.shape[-1]))
+    rows = meta.block_table.shape[0] - nd
+    if t_total > ndt:
+        if rows == 0:
+            outs.append(q.new_zeros(t_total - ndt, q.shape[1], v_cache.shape[-1]))
+        else:
+            qsl = meta.query_start_loc[nd:] - ndt
+            req = token_request_index(qsl, t_total - ndt)
+            pos = token_positions(qsl, meta.seq_lens[nd:], req)
+            valid = meta.slot_mapping[ndt:t_total] >= 0
+            hi = torch.where(valid, pos + 1, torch.zeros_like(pos))
+            kc = gather_paged(k_cache, meta.block_table[nd:], nb)[req]
+            vc = gather_paged(v_cache, meta.block_table[nd:], nb)[req]
+            o, _ = grouped_attention(q[ndt:].unsqueeze(1), kc, vc, hi.unsqueeze(1), scale=scale)
+            outs.append(o.squeeze(1))
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]

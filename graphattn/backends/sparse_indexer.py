@@ -1,0 +1,226 @@
+"""Top-k sparse attention with a lightning indexer (the DeepSeek V3.2 pattern).
+
+Each query token scores every visible key with a small indexer
+(``sum_h w[h] * relu(q_idx[h] . k_idx)``), keeps the top-k positions, and
+attends to those only. The indexer logits of a prefill are [tokens, keys]:
+prefill rows are grouped into chunks whose ``tokens * max key length`` fits a
+budget, planned on CPU from the upper bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from capture.dispatcher import GraphKey
+from graphattn.backends.kernels import (
+    block_count,
+    gather_paged,
+    gather_positions,
+    grouped_attention,
+    token_positions,
+    token_request_index,
+    write_to_cache,
+)
+from graphattn.backends.paged import check_key_fits, leading_decodes
+from graphattn.backends.registry import BackendMetadata
+from graphattn.metadata import CommonAttentionMetadata
+
+__all__ = ["PrefillChunk", "SparseIndexerBuilder", "SparseIndexerImpl", "SparseIndexerMetadata",
+           "plan_prefill_chunks"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Rows [req_start, req_end) and tokens [tok_start, tok_end) scored together.
+
+    max_len is the largest bound among the rows: the logits width.
+    """
+
+    req_start: int
+    req_end: int
+    tok_start: int
+    tok_end: int
+    max_len: int
+
+
+def plan_prefill_chunks(query_lens: np.ndarray, bounds: np.ndarray, budget: int,
+                        row_offset: int = 0, tok_offset: int = 0) -> tuple[PrefillChunk, ...]:
+    """Greedy chunks of consecutive rows with tokens * max(bound) <= budget.
+
+    Vectorized within a chunk (cumsum / cummax / searchsorted); loops over
+    chunks only. A single row over the budget forms a chunk by itself.
+    """
+    n = int(query_lens.shape[0])
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    chunks = []
+    i = 0
+    while i < n:
+        toks = np.cumsum(query_lens[i:])
+        cost = toks * np.maximum.accumulate(bounds[i:])
+        j = i + max(int(np.searchsorted(cost, budget, side="right")), 1)
+        chunks.append(PrefillChunk(row_offset + i, row_offset + j, tok_offset + int(starts[i]),
+                                   tok_offset + int(starts[j]), int(bounds[i:j].max())))
+        i = j
+    return tuple(chunks)
+
+
+@dataclass(slots=True)
+class SparseIndexerMetadata(BackendMetadata):
+    """Sparse-indexer plan and tensors.
+
+    Attributes
+    ----------
+    num_decodes, num_decode_tokens, decode_query_len : int
+    max_len, num_kv_blocks : int
+        Key length of the decode rows (bound max or the key's bucket).
+    prefill_chunks : tuple[PrefillChunk, ...]
+    """
+
+    tensor_fields: ClassVar[tuple[str, ...]] = (
+        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    num_decodes: int
+    num_decode_tokens: int
+    decode_query_len: int
+    max_len: int
+    num_kv_blocks: int
+    prefill_chunks: tuple[PrefillChunk, ...]
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class SparseIndexerBuilder:
+    """Plans sparse-indexer metadata.
+
+    Parameters
+    ----------
+    block_size : int
+    logits_budget : int
+        Max tokens * keys scored at once in a prefill chunk.
+    decode_query_len : int
+    """
+
+    def __init__(self, block_size: int, logits_budget: int, decode_query_len: int = 1) -> None:
+        if min(block_size, logits_budget, decode_query_len) < 1:
+            raise ValueError(
+                f"block_size={block_size}, logits_budget={logits_budget}, "
+                f"decode_query_len={decode_query_len}: all must be >= 1"
+            )
+        self.block_size = block_size
+        self.logits_budget = logits_budget
+        self.decode_query_len = decode_query_len
+
+    def build(self, common: CommonAttentionMetadata,
+              key: GraphKey | None = None) -> SparseIndexerMetadata:
+        q = common.query_lens_cpu
+        bound = common.seq_lens_cpu_upper_bound.numpy()
+        if key is not None:
+            check_key_fits(common, key)
+            if not key.uniform_decode:
+                raise ValueError(f"the sparse indexer captures uniform batches only, got {key}")
+            nd, qd, max_len = key.num_reqs_padded, key.query_len, key.max_len_bucket
+        else:
+            qd = self.decode_query_len
+            nd = leading_decodes(q, qd)
+            max_len = int(bound[:nd].max(initial=0))
+        n_pre = int((q[nd:] > 0).sum())
+        pre = slice(nd, nd + n_pre)
+        chunks = plan_prefill_chunks(q[pre], bound[pre], self.logits_budget, nd, nd * qd)
+        return SparseIndexerMetadata(
+            num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd, max_len=max_len,
+            num_kv_blocks=block_count(max_len, self.block_size,
+                                      common.block_table_tensor.shape[1]),
+            prefill_chunks=chunks, query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens, block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping)
+
+
+class SparseIndexerImpl:
+    """Indexer top-k selection, then attention over the selected positions.
+
+    Parameters
+    ----------
+    num_heads, head_dim, num_kv_heads : int
+    topk : int
+        Positions kept per query token.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, topk: int,
+                 scale: float | None = None) -> None:
+        if topk < 1:
+            raise ValueError(f"topk = {topk}, expected >= 1")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.topk = topk
+        self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor,
+                k_idx: torch.Tensor, weights: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                meta: SparseIndexerMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparse attention output and the selected positions.
+
+        Parameters
+        ----------
+        q : [T, H, D]; k, v : [T, Hkv, D]
+        q_idx : [T, Hi, Di]; k_idx : [T, Di]; weights : [T, Hi]
+            Indexer queries, keys and per-head weights.
+        kv_cache : (k_cache, v_cache, idx_cache); idx_cache [blocks + 1, block_size, 1, Di].
+
+        Returns
+        -------
+        out : torch.Tensor
+            [T, H, D]; padded tokens give 0.
+        topk_pos : torch.Tensor
+            int64 [T, topk], selected positions by descending score; -1 where
+            fewer than topk keys are visible.
+        """
+        k_cache, v_cache, i_cache = kv_cache
+        for cache, x in ((k_cache, k), (v_cache, v), (i_cache, k_idx.unsqueeze(1))):
+            write_to_cache(cache, meta.slot_mapping, x)
+        t = q.shape[0]
+        out = q.new_zeros(t, q.shape[1], v.shape[-1])
+        sel = torch.full((t, self.topk), -1, dtype=torch.long, device=q.device)
+        spans = []
+        if meta.num_decodes:
+            spans.append((0, meta.num_decodes, 0, meta.num_decode_tokens, meta.num_kv_blocks))
+        for c in meta.prefill_chunks:
+            nb = block_count(c.max_len, k_cache.shape[1], meta.block_table.shape[1])
+            spans.append((c.req_start, c.req_end, c.tok_start, c.tok_end, nb))
+        for r0, r1, t0, t1, nb in spans:
+            o, s = self._span(q, q_idx, weights, kv_cache, meta, r0, r1, t0, t1, nb)
+            out[t0:t1] = o
+            sel[t0:t1] = s
+        return out, sel
+
+    def _span(self, q, q_idx, weights, kv_cache, meta, r0, r1, t0, t1, nb):
+        k_cache, v_cache, i_cache = kv_cache
+        qsl = meta.query_start_loc[r0 : r1 + 1] - t0
+        req = token_request_index(qsl, t1 - t0)
+        pos = token_positions(qsl, meta.seq_lens[r0:r1], req)
+        valid = meta.slot_mapping[t0:t1] >= 0
+        bt = meta.block_table[r0:r1]
+        keys = gather_paged(i_cache, bt, nb)[req, :, 0]  # [Tc, L, Di]
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        logits = torch.einsum("thd,tld->thl", q_idx[t0:t1].to(cdt), keys.to(cdt)).relu()
+        score = torch.einsum("thl,th->tl", logits, weights[t0:t1].to(cdt))
+        lpos = torch.arange(keys.shape[1], device=q.device)
+        visible = (lpos <= pos[:, None]) & valid[:, None]
+        score = score.masked_fill(~visible, float("-inf"))
+        kk = min(self.topk, keys.shape[1])
+        top = score.topk(kk, dim=-1)
+        count = torch.where(valid, torch.clamp(pos + 1, max=kk), 0)
+        chosen = torch.where(torch.arange(kk, device=q.device) < count[:, None], top.indices, -1)
+        rows = bt[req]
+        kc = gather_positions(k_cache, rows, chosen.clamp(min=0))
+        vc = gather_positions(v_cache, rows, chosen.clamp(min=0))
+        o, _ = grouped_attention(q[t0:t1].unsqueeze(1), kc, vc, count.unsqueeze(1),
+                                 scale=self.scale)
+        sel = torch.full((t1 - t0, self.topk), -1, dtype=torch.long, device=q.device)
+        sel[:, :kk] = chosen
+        return o.squeeze(1), sel
