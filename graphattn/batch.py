@@ -49,6 +49,8 @@ class InputBatch:
         int32 [num_reqs_padded, max_num_blocks_per_req] on device.
     req_indices : torch.Tensor
         int64 [num_tokens_padded] on device.
+    token_slots : torch.Tensor
+        int64 [num_tokens_padded] on device: state slot of each token's row.
     req_slots, num_scheduled : torch.Tensor
         int32 [num_reqs] on device (unpadded), for `RequestState.postprocess`.
     """
@@ -71,6 +73,7 @@ class InputBatch:
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     req_indices: torch.Tensor
+    token_slots: torch.Tensor
     req_slots: torch.Tensor
     num_scheduled: torch.Tensor
 
@@ -162,6 +165,7 @@ def prepare_inputs(
     )
     d_slots = d_slots.long()
     d_req_idx = d_req_idx.long()
+    token_slots = d_slots[d_req_idx] if reqs_p else torch.zeros_like(d_req_idx)
     computed = state.num_computed_tokens[d_slots]
     seq_lens = computed + d_sched
     seq_lens[num_reqs:] = 0
@@ -173,7 +177,7 @@ def prepare_inputs(
         positions[num_tokens:] = 0
         bs = state.block_size
         block_idx = torch.clamp(positions // bs, max=state.max_num_blocks_per_req - 1)
-        blocks = state.block_table[d_slots[d_req_idx], block_idx].long()
+        blocks = state.block_table[token_slots, block_idx].long()
         slot_mapping = blocks * bs + positions % bs
         slot_mapping[num_tokens:] = -1
     block_table = state.block_table[d_slots]
@@ -199,6 +203,7 @@ def prepare_inputs(
         slot_mapping=slot_mapping,
         block_table=block_table,
         req_indices=d_req_idx,
+        token_slots=token_slots,
         req_slots=d_slots[:num_reqs],
         num_scheduled=d_sched[:num_reqs],
     )

@@ -93,3 +93,14 @@ def test_cuda_graph_capture_and_replay():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(out, x * 2 + 16)
+
+
+def test_replay_path_on_meta_device():
+    m = CUDAGraphManager(toy_forward, "meta", pad_values={"slot": -1, "qsl": "edge"})
+    m.capture(keys(), make_inputs("meta"))
+    live = {"x": torch.empty(3, 3, device="meta"),
+            "slot": torch.empty(3, dtype=torch.int64, device="meta"),
+            "qsl": torch.empty(3, dtype=torch.int32, device="meta")}
+    with no_host_sync():
+        out, _ = m.replay(GraphKey(4, 4, 16, True), live, 3)
+    assert out.shape == (3, 3) and out.device.type == "meta"

@@ -1,0 +1,1 @@
+"""Models wired to graphattn backends: an embedded tiny decoder and a transformers adapter."""

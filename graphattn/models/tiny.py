@@ -1,0 +1,126 @@
+"""TinyDecoder: the embedded default model (RMSNorm, RoPE, GQA, SwiGLU, paged KV)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphattn.backends.kernels import allocate_kv_cache
+from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
+
+__all__ = ["TinyConfig", "TinyDecoder"]
+
+
+@dataclass(frozen=True, slots=True)
+class TinyConfig:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"hidden {self.hidden_size}, heads {self.num_heads}, kv heads "
+                f"{self.num_kv_heads}: hidden must divide by heads and heads by kv heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None] * inv[None]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.norm1 = nn.RMSNorm(h)
+        self.norm2 = nn.RMSNorm(h)
+        self.qkv = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
+        self.o = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, positions, attn, impl, cache):
+        cfg, d = self.cfg, self.cfg.head_dim
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1)
+        q = _rope(q.view(-1, cfg.num_heads, d), positions, cfg.rope_theta)
+        k = _rope(k.view(-1, cfg.num_kv_heads, d), positions, cfg.rope_theta)
+        a = impl.forward(q, k, v.view(-1, cfg.num_kv_heads, d), cache, attn)
+        x = x + self.o(a.flatten(1))
+        g, u = self.up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(nn.functional.silu(g) * u)
+
+
+class TinyDecoder(nn.Module):
+    """A small decoder whose attention is graphattn's paged backend.
+
+    ``forward(inputs, attn_metadata)`` follows `capture.runner.ModelForward`:
+    inputs has "input_ids" and "positions" (int64 [T]); returns logits [T, vocab].
+    Call `allocate_caches` before the first forward.
+    """
+
+    def __init__(self, cfg: TinyConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or TinyConfig()
+        c = self.cfg
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.norm = nn.RMSNorm(c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.impl = PagedAttentionImpl(c.num_heads, c.head_dim, c.num_kv_heads)
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_caches(self, num_blocks: int, block_size: int) -> None:
+        p = next(self.parameters())
+        c = self.cfg
+        self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                               p.dtype, p.device) for _ in range(2))
+                       for _ in range(c.num_layers)]
+
+    @torch.inference_mode()
+    def forward(self, inputs: dict[str, torch.Tensor],
+                attn_metadata: PagedAttentionMetadata) -> torch.Tensor:
+        if not self.caches:
+            raise ValueError("call allocate_caches(num_blocks, block_size) first")
+        x = self.embed(inputs["input_ids"])
+        for layer, cache in zip(self.layers, self.caches, strict=True):
+            x = layer(x, inputs["positions"], attn_metadata, self.impl, cache)
+        return self.lm_head(self.norm(x))
+
+    @torch.inference_mode()
+    def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Dense causal forward of one sequence without any cache: [L, vocab]."""
+        c = self.cfg
+        d = c.head_dim
+        pos = torch.arange(token_ids.shape[0], device=token_ids.device)
+        x = self.embed(token_ids)
+        for layer in self.layers:
+            q, k, v = layer.qkv(layer.norm1(x)).split(
+                [c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], -1)
+            q = _rope(q.view(-1, c.num_heads, d), pos, c.rope_theta).transpose(0, 1)
+            k = _rope(k.view(-1, c.num_kv_heads, d), pos, c.rope_theta).transpose(0, 1)
+            v = v.view(-1, c.num_kv_heads, d).transpose(0, 1)
+            rep = c.num_heads // c.num_kv_heads
+            a = nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+            x = x + layer.o(a.transpose(0, 1).flatten(1))
+            g, u = layer.up(layer.norm2(x)).chunk(2, -1)
+            x = x + layer.down(nn.functional.silu(g) * u)
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+import torch
+
+from capture.dispatcher import GraphKey
+from capture.graphs import GraphNotCapturedError
+from capture.runner import BucketPolicy, GraphRunner
+from graphattn.models.tiny import TinyConfig, TinyDecoder
+from graphattn.state import RequestState, SchedulerOutput
+from graphattn.sync import count_host_syncs, no_host_sync
+
+
+def make_runner(device="cpu", dtype=torch.float64, max_reqs=6, max_len=96, bs=8, **policy):
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=128, hidden_size=64)).to(device, dtype)
+    st = RequestState(max_reqs, max_len, bs, device)
+    model.allocate_caches(max_reqs * st.max_num_blocks_per_req, bs)
+    pol = BucketPolicy(**{"capture_sizes": (1, 2, 4, 8), "length_boundaries": (32, 64),
+                          "mixed_token_sizes": (16, 32), **policy})
+    return model, st, GraphRunner(model, st, policy=pol)
+
+
+def drive(model, st, runner, steps, rng, tol, check_every=1):
+    """Random joins, chunked prefills and decodes; logits checked against a dense forward."""
+    seqs: dict[int, list[int]] = {}
+    prompts: dict[int, int] = {}
+    next_id, keys, graph_steps = 0, set(), 0
+    for step in range(steps):
+        while st.num_active < st.max_num_reqs and rng.random() < 0.5:
+            p = rng.integers(0, 128, int(rng.integers(2, 30)))
+            slot = runner.add_request(f"r{next_id}", p)
+            next_id += 1
+            seqs[slot], prompts[slot] = list(p), len(p)
+        for rid, slot in list(st.req_id_to_slot.items()):
+            if st.num_computed_tokens_np[slot] >= prompts[slot] + int(rng.integers(3, 12)) or \
+                    st.num_computed_tokens_np[slot] + 1 >= st.max_model_len:
+                st.remove_request(rid)
+                del seqs[slot]
+        slots = np.array(sorted(st.req_id_to_slot.values()), np.int32)
+        if slots.size == 0:
+            continue
+        left = np.array([prompts[s] - st.num_computed_tokens_np[s] for s in slots])
+        chunk = np.where(left > 0, np.minimum(left, rng.integers(1, 24, slots.size)), 1)
+        sched = SchedulerOutput(slots, chunk)
+        with no_host_sync():
+            out = runner.step(sched)
+        keys.add(out.key)
+        graph_steps += out.key is not None
+        if step % check_every == 0 or out.key is not None:
+            logits = out.logits.double().cpu()
+            for j, s in enumerate(slots):
+                n = int(st.num_computed_tokens_np[s])
+                if n >= prompts[s]:
+                    ref = model.reference_logits(torch.tensor(seqs[s][:n], device=st.device))
+                    torch.testing.assert_close(logits[j], ref[-1].double().cpu(), **tol)
+        sampled = out.sampled.cpu().tolist()
+        for j, s in enumerate(slots):
+            if st.num_computed_tokens_np[s] >= prompts[s]:
+                seqs[s].append(sampled[j])
+    return keys, graph_steps
+
+
+def test_tiny_decoder_matches_dense_reference_on_cpu():
+    model, st, runner = make_runner()
+    report = runner.capture()
+    assert report.num_graphs == (4 + 2) * 3
+    keys, graph_steps = drive(model, st, runner, 40, np.random.default_rng(0),
+                              dict(rtol=1e-9, atol=1e-9))
+    assert None in keys and graph_steps > 10
+    assert any(k is not None and not k.uniform_decode for k in keys)
+    assert 0 <= runner.padding.token_waste < 1
+
+
+def test_zero_host_syncs_per_step_and_dummy_run():
+    model, st, runner = make_runner()
+    runner.capture()
+    runner.add_request("a", [1, 2, 3])
+    runner.add_request("b", [4, 5])
+    runner.step(SchedulerOutput(np.array([0, 1]), np.array([3, 2])))
+    with count_host_syncs() as c:
+        for _ in range(5):
+            out = runner.step(SchedulerOutput(np.array([0, 1]), np.array([1, 1])))
+            runner.dummy_run(GraphKey(8, 8, 32, True))
+    assert c.count == 0 and out.key == GraphKey(2, 2, 32, True)
+
+
+def test_missing_graph_error_and_bad_config():
+    model, st, runner = make_runner()
+    runner.graphs.on_missing = "error"
+    runner.add_request("a", [1, 2, 3])
+    with pytest.raises(GraphNotCapturedError, match="no graph captured"):
+        runner.step(SchedulerOutput(np.array([0]), np.array([3])))
+    with pytest.raises(ValueError, match="unknown static inputs"):
+        GraphRunner(model, st, static_input_names=("input_ids", "pixels"))
+    with pytest.raises(ValueError, match="needs builder="):
+        GraphRunner(model, st, backend="mla")
+    with pytest.raises(ValueError, match="decode_query_len = 0"):
+        BucketPolicy(decode_query_len=0)
+
+
+def test_largest_capture_size_and_one_past_it_run_eager():
+    model, st, runner = make_runner(max_reqs=9, mixed_token_sizes=())
+    runner.capture()
+    for i in range(9):
+        runner.add_request(f"r{i}", [i + 1, 2])
+    runner.step(SchedulerOutput(np.arange(9), np.full(9, 2, np.int32)))
+    out8 = runner.step(SchedulerOutput(np.arange(8), np.ones(8, np.int32)))
+    assert out8.key == GraphKey(8, 8, 32, True)
+    out9 = runner.step(SchedulerOutput(np.arange(9), np.ones(9, np.int32)))
+    assert out9.key is None and out9.logits.shape == (9, 128)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_1000_random_steps_match_eager():
+    model, st, runner = make_runner("cuda", torch.float32, max_reqs=8, max_len=128)
+    report = runner.capture()
+    assert report.num_graphs == 18 and report.pool_bytes > 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        keys, graph_steps = drive(model, st, runner, 1000, np.random.default_rng(1),
+                                  dict(rtol=2e-3, atol=2e-3), check_every=10)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert graph_steps > 500 and len(keys) > 5
