@@ -147,7 +147,7 @@ class GraphRunner:
             block_ids = np.arange(free * b, (free + 1) * b)
         slot = st.add_request(req_id, int(ids.shape[0]), block_ids)
         self.token_ids[slot, : ids.shape[0]] = to_device(ids, st.device)
-        self.prompt_lens[slot] = int(ids.shape[0])
+        self.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
         return slot
 
     @property
@@ -199,8 +199,11 @@ class GraphRunner:
         self.graphs.replay(key, self._inputs(batch, meta), 0)
 
     # -- steps ------------------------------------------------------------
-    def step(self, sched: SchedulerOutput) -> StepOutput:
-        """Run one scheduled step and advance the state (no host read of device state)."""
+    def step(self, sched: SchedulerOutput, force_eager: bool = False) -> StepOutput:
+        """Run one scheduled step and advance the state (no host read of device state).
+
+        `force_eager` skips the graphs (the benchmarks' eager baseline).
+        """
         t0 = time.perf_counter()
         st, prof = self.state, self.profiler
         q = self.policy.decode_query_len
@@ -210,7 +213,8 @@ class GraphRunner:
             uniform = bool((sched.num_scheduled_tokens == q).all()) and sched.num_reqs > 0
             key = self.dispatcher.dispatch(sched.num_reqs, sched.total_num_scheduled_tokens,
                                            bound_max, uniform)
-            if key is not None and key not in self.graphs and self.graphs.on_missing == "eager":
+            if force_eager or (key is not None and key not in self.graphs
+                               and self.graphs.on_missing == "eager"):
                 key = None
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)

@@ -168,20 +168,20 @@ def prepare_inputs(
     token_slots = d_slots[d_req_idx] if reqs_p else torch.zeros_like(d_req_idx)
     computed = state.num_computed_tokens[d_slots]
     seq_lens = computed + d_sched
-    seq_lens[num_reqs:] = 0
+    seq_lens[num_reqs:].fill_(0)
     if reqs_p == 0:  # padded tokens with no row at all: nothing to gather
         positions = torch.zeros(toks_p, dtype=torch.int64, device=state.device)
         slot_mapping = torch.full((toks_p,), -1, dtype=torch.int64, device=state.device)
     else:
         positions = (computed[d_req_idx] + d_offsets).long()
-        positions[num_tokens:] = 0
+        positions[num_tokens:].fill_(0)
         bs = state.block_size
         block_idx = torch.clamp(positions // bs, max=state.max_num_blocks_per_req - 1)
         blocks = state.block_table[token_slots, block_idx].long()
         slot_mapping = blocks * bs + positions % bs
-        slot_mapping[num_tokens:] = -1
+        slot_mapping[num_tokens:].fill_(-1)
     block_table = state.block_table[d_slots]
-    block_table[num_reqs:] = 0
+    block_table[num_reqs:].fill_(0)
 
     pending = state.num_pending_drafts_np[sched.req_slots]
     return InputBatch(

@@ -194,7 +194,7 @@ class RequestState:
         self.block_table_np[slot] = 0
         self.block_table_np[slot, : blocks.shape[0]] = blocks
         self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
-        self.num_computed_tokens[slot] = num_computed_tokens
+        self.num_computed_tokens[slot : slot + 1].fill_(num_computed_tokens)
         return slot
 
     def remove_request(self, req_id: str) -> int:

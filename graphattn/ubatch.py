@@ -110,7 +110,7 @@ def make_metadata_with_slice(
         t = t[rs:re]
         if trim_last:
             t = t.clone()
-            t[-1] -= trim_last
+            t[-1:].sub_(trim_last)
         return t
 
     bound = cut(m.seq_lens_cpu_upper_bound)

@@ -1,0 +1,1 @@
+"""graphattn benchmark suite: `python -m bench` (GPU scenarios + CPU host overhead)."""

@@ -1,0 +1,61 @@
+"""Microseconds per prepare + build (CPU planning) for 1..4096 requests.
+
+    python -m bench.host_overhead [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from graphattn.backends.paged import PagedAttentionBuilder
+from graphattn.batch import prepare_inputs
+from graphattn.metadata import build_common_metadata
+from graphattn.state import RequestState, SchedulerOutput
+
+SIZES = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+def measure(num_reqs: int, device: str = "cpu", iters: int = 200) -> dict[str, float]:
+    """Mean host µs of prepare_inputs and of metadata building, decode steps."""
+    st = RequestState(num_reqs, 4096, 16, device)
+    rng = np.random.default_rng(0)
+    bpr = st.max_num_blocks_per_req
+    for i in range(num_reqs):
+        st.add_request(f"r{i}", int(rng.integers(16, 2048)), np.arange(i * bpr, (i + 1) * bpr))
+    st.num_computed_tokens_np[:num_reqs] = st.num_prompt_tokens_np[:num_reqs]
+    sched = SchedulerOutput(np.arange(num_reqs), np.ones(num_reqs, np.int32))
+    builder = PagedAttentionBuilder(16)
+    for _ in range(5):
+        builder.build(build_common_metadata(prepare_inputs(st, sched)))
+    t_prep = t_build = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        batch = prepare_inputs(st, sched)
+        t1 = time.perf_counter()
+        builder.build(build_common_metadata(batch))
+        t2 = time.perf_counter()
+        t_prep += t1 - t0
+        t_build += t2 - t1
+    return {"num_reqs": num_reqs, "prepare_us": 1e6 * t_prep / iters,
+            "build_us": 1e6 * t_build / iters, "total_us": 1e6 * (t_prep + t_build) / iters}
+
+
+def run(device: str = "cpu", sizes: tuple[int, ...] = SIZES) -> list[dict[str, float]]:
+    return [measure(n, device, iters=200 if n <= 1024 else 50) for n in sizes]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    print(f"{'reqs':>6} {'prepare us':>11} {'build us':>9} {'total us':>9}")
+    for r in run(args.device):
+        print(f"{r['num_reqs']:>6} {r['prepare_us']:>11.1f} {r['build_us']:>9.1f} "
+              f"{r['total_us']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The benchmark model and runner (shared by every scenario)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from capture.runner import BucketPolicy, GraphRunner
+from graphattn.models.tiny import TinyConfig, TinyDecoder
+from graphattn.state import RequestState
+
+BENCH_MODEL = TinyConfig(vocab_size=4096, hidden_size=1024, num_layers=8, num_heads=16,
+                         num_kv_heads=4, intermediate_size=2816)
+
+
+@dataclass(slots=True)
+class Setup:
+    model: TinyDecoder
+    state: RequestState
+    runner: GraphRunner
+
+
+def make_setup(device: str, max_reqs: int, max_len: int, policy: BucketPolicy,
+               cfg: TinyConfig = BENCH_MODEL, block_size: int = 16, seed: int = 0) -> Setup:
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = TinyDecoder(cfg).to(device, dtype)
+    st = RequestState(max_reqs, max_len, block_size, device)
+    model.allocate_caches(max_reqs * st.max_num_blocks_per_req, block_size)
+    return Setup(model, st, GraphRunner(model, st, policy=policy))
+
+
+def fill_requests(setup: Setup, n: int, lengths: np.ndarray, rng: np.random.Generator) -> None:
+    """Admit n requests whose prompts are already computed (lengths[i] tokens in the cache)."""
+    st = setup.state
+    for i in range(n):
+        setup.runner.add_request(f"r{i}", rng.integers(0, setup.model.cfg.vocab_size,
+                                                       int(lengths[i])))
+    st.num_computed_tokens_np[:n] = lengths[:n]
+    st.num_computed_tokens[:n].copy_(torch.from_numpy(lengths[:n].astype(np.int32)))
