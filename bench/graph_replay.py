@@ -18,6 +18,7 @@ from bench.setup import Setup, fill_requests, make_setup
 from bench.timing import syncs_per_step, us_per_step
 from capture.runner import BucketPolicy, GraphRunner
 from graphattn.state import SchedulerOutput
+from graphattn.sync import opaque_region
 
 MAX_LEN = 1024
 BOUNDARIES = (256, 512)
@@ -39,7 +40,12 @@ def decode_modes(setup: Setup, sizes: tuple[int, ...], steps: int, device: str,
     compiled_runner = None
     if compile_baseline and device == "cuda":
         compiled = torch.compile(setup.model.forward, mode="reduce-overhead")
-        compiled_runner = GraphRunner(compiled, st, policy=runner.policy)
+
+        def compiled_forward(inputs, meta, compiled=compiled):
+            with opaque_region():  # dynamo cannot run under the sync-counting dispatch mode
+                return compiled(inputs, meta)
+
+        compiled_runner = GraphRunner(compiled_forward, st, policy=runner.policy)
         compiled_runner.token_ids = runner.token_ids
         compiled_runner.prompt_lens = runner.prompt_lens
     for n in sizes:

@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 } | tee "$OUT/env.txt"
 rc=0
 if [ "$what" != bench ]; then
-  python3 -m pytest tests -m cuda -p no:cacheprovider -q -x -rs 2>&1 | tee "$OUT/cuda_tests.txt"
+  python3 -m pytest tests -m cuda -p no:cacheprovider -q -rs 2>&1 | tee "$OUT/cuda_tests.txt"
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" != tests ]; then

@@ -79,7 +79,7 @@ class FlexAttentionImpl:
         torch.compile flex_attention (default: on CUDA only; off elsewhere, where
         the unfused reference implementation runs).
     mask_block_size : int
-        BLOCK_SIZE of the block mask.
+        BLOCK_SIZE of the block mask (a multiple of 128 when compiled on CUDA).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
@@ -96,6 +96,11 @@ class FlexAttentionImpl:
         use = self.compile if self.compile is not None else device.type == "cuda"
         if not use:
             return flex_attention
+        if device.type == "cuda" and self.mask_block_size % 128:
+            raise ValueError(
+                f"mask_block_size = {self.mask_block_size}: compiled flex_attention on CUDA "
+                "needs a multiple of 128 (its Triton kernel has no smaller tile)"
+            )
         if self._compiled is None:
             self._compiled = torch.compile(flex_attention, dynamic=False)
         return self._compiled

@@ -36,7 +36,7 @@ class Case:
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.FLEX:
             self.builder = spec_.builder_cls(BS, LengthBuckets(MAXLEN, (32, 64)))
-            self.impl = spec_.impl_cls(H, D, HKV, mask_block_size=32)
+            self.impl = spec_.impl_cls(H, D, HKV, mask_block_size=32 if device == "cpu" else 128)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.MLA:

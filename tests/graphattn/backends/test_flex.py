@@ -50,3 +50,9 @@ def test_meta_builder():
     assert meta.max_len == LengthBuckets(128).bucket(common.max_seq_len)
     with pytest.raises(ValueError, match="block_size = 0"):
         FlexAttentionBuilder(0, LengthBuckets(8))
+
+
+def test_compiled_cuda_needs_128_blocks():
+    impl = FlexAttentionImpl(H, D, HKV, compile=True, mask_block_size=32)
+    with pytest.raises(ValueError, match="mask_block_size = 32: compiled flex_attention on CUDA"):
+        impl._flex(torch.device("cuda"))
