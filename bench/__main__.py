@@ -107,6 +107,7 @@ def main() -> None:
         md += "\n" + markdown(extra, ("scenario", "mode", "batch", "compile_s",
                                       "skipped_cudagraphs", "error")) + "\n"
     (out / "results.md").write_text(md)
+    (out / "results.partial.json").unlink(missing_ok=True)
     if cuda:
         plot(rows, out / "us_per_step.png")
     print(md)

@@ -8,46 +8,37 @@ replay-only floor.
 from __future__ import annotations
 
 import argparse
-import time
-import warnings
+import json
+import subprocess
+import sys
 
 import numpy as np
 import torch
 
 from bench.setup import Setup, fill_requests, make_setup
 from bench.timing import syncs_per_step, us_per_step
-from capture.runner import BucketPolicy, GraphRunner
+from capture.runner import BucketPolicy
 from graphattn.state import SchedulerOutput
-from graphattn.sync import opaque_region
 
 MAX_LEN = 1024
 BOUNDARIES = (256, 512)
 
 
-def _reset(setup: Setup, lengths: np.ndarray) -> None:
+def reset_lengths(setup: Setup, lengths: np.ndarray) -> None:
+    """Put the first len(lengths) requests back at these lengths (CPU mirror and device)."""
     n = lengths.shape[0]
     setup.state.num_computed_tokens_np[:n] = lengths
     setup.state.num_computed_tokens[:n].copy_(torch.from_numpy(lengths.astype(np.int32)))
 
 
 def decode_modes(setup: Setup, sizes: tuple[int, ...], steps: int, device: str,
-                 compile_baseline: bool = True, scenario: str = "uniform_decode") -> list[dict]:
+                 scenario: str = "uniform_decode") -> list[dict]:
+    """host_read, eager, graphs and replay_floor rows for each batch size."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(128, 384, max(sizes)).astype(np.int32)
     fill_requests(setup, max(sizes), lengths, rng)
     runner, st = setup.runner, setup.state
     rows = []
-    compiled_runner = None
-    if compile_baseline and device == "cuda":
-        compiled = torch.compile(setup.model.forward, mode="reduce-overhead")
-
-        def compiled_forward(inputs, meta, compiled=compiled):
-            with opaque_region():  # dynamo cannot run under the sync-counting dispatch mode
-                return compiled(inputs, meta)
-
-        compiled_runner = GraphRunner(compiled_forward, st, policy=runner.policy)
-        compiled_runner.token_ids = runner.token_ids
-        compiled_runner.prompt_lens = runner.prompt_lens
     for n in sizes:
         sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))
 
@@ -61,42 +52,37 @@ def decode_modes(setup: Setup, sizes: tuple[int, ...], steps: int, device: str,
             "graphs": lambda sched=sched: runner.step(sched),
         }
         key = runner.step(sched).key
-        _reset(setup, lengths)
-        if compiled_runner is not None:
-            t0 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    for _ in range(3):
-                        compiled_runner.step(sched, force_eager=True)
-                    modes["compile_reduce_overhead"] = (
-                        lambda sched=sched: compiled_runner.step(sched, force_eager=True))
-                except Exception as e:  # recorded, not hidden
-                    rows.append({"scenario": scenario, "mode": "compile_reduce_overhead",
-                                 "batch": n, "error": f"{type(e).__name__}: {e}"[:300]})
-            compile_s = time.perf_counter() - t0
-            skipped = any("skipping cudagraphs" in str(w.message) for w in caught)
-            _reset(setup, lengths)
+        reset_lengths(setup, lengths)
         if key is not None:
             modes["replay_floor"] = lambda key=key: runner.graphs.replay_only(key)
-        floor = None
         for mode, fn in modes.items():
             us = us_per_step(fn, steps, device)
-            _reset(setup, lengths)
+            reset_lengths(setup, lengths)
             syncs = syncs_per_step(fn) if mode != "replay_floor" else 0.0
-            _reset(setup, lengths)
-            row = {"scenario": scenario, "mode": mode, "batch": n, "us_step": us,
-                   "syncs_per_step": syncs, "key": str(key)}
-            if mode == "compile_reduce_overhead":
-                row["compile_s"] = compile_s
-                row["skipped_cudagraphs"] = skipped
-            rows.append(row)
-            if mode == "replay_floor":
-                floor = us
-        for row in rows:
-            if row.get("batch") == n and floor and "us_step" in row:
-                row["gpu_idle_frac"] = max(0.0, 1 - floor / row["us_step"])
+            reset_lengths(setup, lengths)
+            rows.append({"scenario": scenario, "mode": mode, "batch": n, "us_step": us,
+                         "syncs_per_step": syncs, "key": str(key)})
     return rows
+
+
+def compile_rows(sizes: tuple[int, ...], steps: int) -> list[dict]:
+    """The torch.compile baseline, from a subprocess (see bench.compile_baseline)."""
+    cmd = [sys.executable, "-m", "bench.compile_baseline", "--sizes",
+           ",".join(map(str, sizes)), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if proc.returncode and not rows:
+        rows = [{"scenario": "uniform_decode", "mode": "compile_reduce_overhead",
+                 "error": proc.stderr[-300:]}]
+    return rows
+
+
+def add_idle_fraction(rows: list[dict]) -> None:
+    """GPU idle ≈ 1 - floor / step, the floor being the replay-only time of the same key."""
+    floors = {r["batch"]: r["us_step"] for r in rows if r.get("mode") == "replay_floor"}
+    for r in rows:
+        if r.get("batch") in floors and "us_step" in r:
+            r["gpu_idle_frac"] = max(0.0, 1 - floors[r["batch"]] / r["us_step"])
 
 
 def run(device: str, sizes: tuple[int, ...], steps: int) -> tuple[list[dict], dict]:
@@ -105,7 +91,11 @@ def run(device: str, sizes: tuple[int, ...], steps: int) -> tuple[list[dict], di
     report = setup.runner.capture()
     info = {"graphs": report.num_graphs, "capture_s": report.seconds,
             "pool_mb": report.pool_bytes / 2**20}
-    return decode_modes(setup, sizes, steps, device), info
+    rows = decode_modes(setup, sizes, steps, device)
+    if device == "cuda":
+        rows += compile_rows(sizes, steps)
+    add_idle_fraction(rows)
+    return rows, info
 
 
 def main() -> None:

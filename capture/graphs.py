@@ -147,7 +147,13 @@ class CUDAGraphManager:
                        reverse=True)
         report = CaptureReport(keys=order)
         t0 = time.perf_counter()
-        reserved0 = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
+        reserved0 = 0
+        if self.use_graphs:
+            # torch.cuda.graph() empties the allocator cache; do it first so the
+            # difference below is the pool and static buffers alone
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            reserved0 = torch.cuda.memory_reserved(self.device)
         with _frozen_gc():
             for key in order:
                 if key in self._captured:

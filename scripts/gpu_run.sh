@@ -16,6 +16,7 @@ if [ "$what" != bench ]; then
   python3 -m pytest tests -m cuda -p no:cacheprovider -q -rs 2>&1 | tee "$OUT/cuda_tests.txt"
   rc=${PIPESTATUS[0]}
 fi
+python3 scripts/flex_probe.py 2>&1 | grep flex_probe | tee "$OUT/flex_probe.txt"
 if [ "$what" != tests ]; then
   python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench_log.txt"
   rc=$((rc | PIPESTATUS[0]))

@@ -1,0 +1,63 @@
+"""torch.compile(mode="reduce-overhead") baseline for uniform decode, in its own process.
+
+Run by bench.graph_replay as a subprocess (dynamo never meets the sync-counting
+dispatch mode there); prints one JSON row per batch size.
+
+    python -m bench.compile_baseline --sizes 1,8,32,128 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from bench.graph_replay import BOUNDARIES, MAX_LEN, reset_lengths
+from bench.setup import fill_requests, make_setup
+from bench.timing import us_per_step
+from capture.runner import BucketPolicy, GraphRunner
+from graphattn.state import SchedulerOutput
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="1,8,32,128")
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    device = "cuda"
+    policy = BucketPolicy(capture_sizes=sizes, length_boundaries=BOUNDARIES)
+    setup = make_setup(device, max(sizes), MAX_LEN, policy)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(128, 384, max(sizes)).astype(np.int32)
+    fill_requests(setup, max(sizes), lengths, rng)
+    compiled = torch.compile(setup.model.forward, mode="reduce-overhead")
+    runner = GraphRunner(compiled, setup.state, policy=policy)
+    runner.token_ids, runner.prompt_lens = setup.runner.token_ids, setup.runner.prompt_lens
+    from torch._dynamo.utils import counters
+
+    for n in sizes:
+        sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))
+        row = {"scenario": "uniform_decode", "mode": "compile_reduce_overhead", "batch": n}
+        try:
+            skips0 = counters["inductor"].get("cudagraph_skips", 0)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                runner.step(sched, force_eager=True)
+            torch.cuda.synchronize()
+            row["compile_s"] = time.perf_counter() - t0
+            reset_lengths(setup, lengths)
+            step = lambda s=sched: runner.step(s, force_eager=True)  # noqa: E731
+            row["us_step"] = us_per_step(step, args.steps, device)
+            row["skipped_cudagraphs"] = counters["inductor"].get("cudagraph_skips", 0) > skips0
+        except Exception as e:  # recorded in the table, not hidden
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        reset_lengths(setup, lengths)
+        print("ROW " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
