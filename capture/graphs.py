@@ -37,8 +37,8 @@ class CaptureReport:
     seconds : float
         Wall time of the whole capture, warm-up included.
     pool_bytes : int
-        Device memory reserved by capture (graph pool and static buffers);
-        0 off CUDA.
+        Device memory held by the shared graph pool (allocator segments of
+        that pool); 0 off CUDA.
     keys : list[GraphKey]
         In capture order (largest first).
     """
@@ -163,9 +163,17 @@ class CUDAGraphManager:
                 report.num_graphs += 1
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
-            report.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
+            report.pool_bytes = self._pool_bytes(reserved0)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _pool_bytes(self, reserved0: int) -> int:
+        """Bytes of the allocator segments that belong to the shared graph pool."""
+        segments = torch.cuda.memory_snapshot()
+        if segments and "segment_pool_id" in segments[0]:
+            pool = tuple(self.pool)
+            return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
+        return max(torch.cuda.memory_reserved(self.device) - reserved0, 0)
 
     def _capture_one(self, key: GraphKey, inputs: dict[str, torch.Tensor]) -> _Captured:
         if not self.use_graphs:

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 from einops import rearrange
+from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from capture.buckets import LengthBuckets
@@ -79,7 +80,8 @@ class FlexAttentionImpl:
         torch.compile flex_attention (default: on CUDA only; off elsewhere, where
         the unfused reference implementation runs).
     mask_block_size : int
-        BLOCK_SIZE of the block mask (a multiple of 128 when compiled on CUDA).
+        BLOCK_SIZE of the block mask (a multiple of 128 when compiled on CUDA);
+        queries and the gathered KV axis are padded to multiples of it.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
@@ -117,23 +119,33 @@ class FlexAttentionImpl:
         if t == 0 or rows == 0:
             return q.new_zeros(t, q.shape[1], v.shape[-1])
         kv_per_row = meta.num_kv_blocks * k_cache.shape[1]
-        keys = rearrange(gather_paged(k_cache, meta.block_table, meta.num_kv_blocks),
-                         "r l h d -> 1 h (r l) d")
-        vals = rearrange(gather_paged(v_cache, meta.block_table, meta.num_kv_blocks),
-                         "r l h d -> 1 h (r l) d")
+        # Both axes padded to the mask block: the compiled kernel needs multiples of it.
+        blk = self.mask_block_size
+        tq = -(-t // blk) * blk
+        kv_len = -(-(rows * kv_per_row) // blk) * blk
+
+        def gathered(cache: torch.Tensor) -> torch.Tensor:
+            x = rearrange(gather_paged(cache, meta.block_table, meta.num_kv_blocks),
+                          "r l h d -> 1 h (r l) d")
+            return nn.functional.pad(x, (0, 0, 0, kv_len - x.shape[2])).to(q.dtype)
+
         req = token_request_index(meta.query_start_loc, t)
         pos = token_positions(meta.query_start_loc, meta.seq_lens, req)
         valid = meta.slot_mapping[:t] >= 0
+        req = nn.functional.pad(req, (0, tq - t), value=-1)
+        pos = nn.functional.pad(pos, (0, tq - t))
+        valid = nn.functional.pad(valid, (0, tq - t))
 
         def mask_mod(b, h, q_idx, kv_idx):
             row = kv_idx // kv_per_row
             return (row == req[q_idx]) & (kv_idx - row * kv_per_row <= pos[q_idx]) & valid[q_idx]
 
-        block_mask = create_block_mask(mask_mod, None, None, t, rows * kv_per_row,
-                                       device=q.device, BLOCK_SIZE=self.mask_block_size)
+        block_mask = create_block_mask(mask_mod, None, None, tq, kv_len, device=q.device,
+                                       BLOCK_SIZE=blk)
+        qp = nn.functional.pad(rearrange(q, "t h d -> 1 h t d"), (0, 0, 0, tq - t))
         with opaque_region():
             out = self._flex(q.device)(
-                rearrange(q, "t h d -> 1 h t d"), keys.to(q.dtype), vals.to(q.dtype),
-                block_mask=block_mask, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads)
+                qp, gathered(k_cache), gathered(v_cache), block_mask=block_mask,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        out = out[:, :, :t]
         return rearrange(out, "1 h t d -> t h d")

@@ -37,9 +37,8 @@ class Case:
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.FLEX:
             self.builder = spec_.builder_cls(BS, LengthBuckets(MAXLEN, (32, 64)))
-            # uncompiled on CUDA too: inductor's flex lowering found no kernel for these shapes
-            # on torch 2.11 (NoValidChoicesError); scripts/flex_probe.py records which work
-            self.impl = spec_.impl_cls(H, D, HKV, compile=False, mask_block_size=32)
+            # compiled on CUDA (128-wide mask blocks), reference implementation on CPU
+            self.impl = spec_.impl_cls(H, D, HKV, mask_block_size=32 if device == "cpu" else 128)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.MLA:
