@@ -26,6 +26,9 @@ class Case:
     """Backend-specific inputs, builders and caches."""
 
     def __init__(self, name, device, num_slots, spec):
+        flex_compile = None
+        if name == "flex_uncompiled":
+            name, flex_compile = AttentionBackendEnum.FLEX, False
         self.name, self.device = name, device
         spec_ = get_backend(name)
         self.support = spec_.capture_support
@@ -38,7 +41,8 @@ class Case:
         elif name == AttentionBackendEnum.FLEX:
             self.builder = spec_.builder_cls(BS, LengthBuckets(MAXLEN, (32, 64)))
             # compiled on CUDA (128-wide mask blocks), reference implementation on CPU
-            self.impl = spec_.impl_cls(H, D, HKV, mask_block_size=32 if device == "cpu" else 128)
+            self.impl = spec_.impl_cls(H, D, HKV, compile=flex_compile,
+                                       mask_block_size=32 if device == "cpu" else 128)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.MLA:
@@ -94,13 +98,14 @@ def device(request):
 
 CASES = [(b, spec) for b in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FLEX,
                               AttentionBackendEnum.MLA, AttentionBackendEnum.SPARSE_INDEXER)
-         for spec in (0, 2)] + [(AttentionBackendEnum.CROSS, 0)]
+         for spec in (0, 2)] + [(AttentionBackendEnum.CROSS, 0), ("flex_uncompiled", 0)]
 
 
 @pytest.mark.parametrize("name, spec", CASES, ids=lambda c: getattr(c, "value", str(c)))
 def test_capture_replay_matches_eager(name, spec, device):
     num_slots = 6
     case = Case(name, device, num_slots, spec)
+    name = case.name
     st = RequestState(num_slots, MAXLEN, BS, device)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
