@@ -15,8 +15,11 @@ from graphattn.backends.sparse_indexer import SparseIndexerBuilder, SparseIndexe
 
 register_backend(AttentionBackendEnum.PAGED, BackendSpec(
     PagedAttentionBuilder, PagedAttentionImpl, CaptureSupport.ALWAYS))
+# Flex is not captured: create_block_mask copies a pageable CPU tensor to the device, which
+# CUDA graph capture refuses (seen on torch 2.11, compiled or not). Until the block mask is
+# built outside the graph and fed in as static inputs, the dispatcher runs flex eager.
 register_backend(AttentionBackendEnum.FLEX, BackendSpec(
-    FlexAttentionBuilder, FlexAttentionImpl, CaptureSupport.ALWAYS))
+    FlexAttentionBuilder, FlexAttentionImpl, CaptureSupport.NEVER))
 register_backend(AttentionBackendEnum.MLA, BackendSpec(
     MLABuilder, MLAImpl, CaptureSupport.UNIFORM_BATCH))
 register_backend(AttentionBackendEnum.SPARSE_INDEXER, BackendSpec(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capture.buckets import LengthBuckets
-from capture.dispatcher import GraphDispatcher
+from capture.dispatcher import CaptureSupport, GraphDispatcher
 from capture.graphs import CUDAGraphManager
 from graphattn.backends import AttentionBackendEnum, get_backend
 from graphattn.backends.kernels import allocate_kv_cache
@@ -96,6 +96,11 @@ def device(request):
     return request.param
 
 
+FLEX_CUDA_XFAIL = ("create_block_mask copies a pageable CPU tensor during CUDA graph capture "
+                   "(torch 2.11); flex is registered CaptureSupport.NEVER until the mask is built "
+                   "outside the graph")
+
+
 CASES = [(b, spec) for b in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FLEX,
                               AttentionBackendEnum.MLA, AttentionBackendEnum.SPARSE_INDEXER)
          for spec in (0, 2)] + [(AttentionBackendEnum.CROSS, 0), ("flex_uncompiled", 0)]
@@ -106,6 +111,10 @@ def test_capture_replay_matches_eager(name, spec, device):
     num_slots = 6
     case = Case(name, device, num_slots, spec)
     name = case.name
+    if name == AttentionBackendEnum.FLEX:
+        if device == "cuda":
+            pytest.xfail(FLEX_CUDA_XFAIL)  # recorded on the GPU; see bench/RESULTS.md
+        case.support = CaptureSupport.ALWAYS  # CPU: the static-buffer semantics still hold
     st = RequestState(num_slots, MAXLEN, BS, device)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
