@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench import graph_replay, host_overhead, scenarios
+from bench import graph_replay, host_overhead, profiling_overhead, scenarios
 
 COLUMNS = ("scenario", "mode", "batch", "us_step", "syncs_per_step", "graphs", "capture_s",
            "pool_mb", "token_waste", "len_waste", "gpu_idle_frac")
@@ -72,7 +72,8 @@ def main() -> None:
                                         "batch": r["num_reqs"], "us_step": r["total_us"],
                                         "prepare_us": r["prepare_us"], "build_us": r["build_us"]}
                                        for r in host_overhead.run("cpu")]),
-            ("ubatch_split", lambda: scenarios.ubatch_split("cpu", steps=steps))]
+            ("ubatch_split", lambda: scenarios.ubatch_split("cpu", steps=steps)),
+            ("profiling_overhead", profiling_overhead.run)]
     info: dict = {}
     if cuda:
         sizes = (1, 8, 32) if args.quick else (1, 8, 32, 128)

@@ -10,7 +10,6 @@ library turns into no-ops when no tool is attached.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,27 +58,38 @@ class StageProfiler:
         self.torch_labels = torch_labels
         self.depth = 0
 
-    @contextlib.contextmanager
-    def range(self, stage: str, key: Any = None) -> Iterator[None]:
+    def range(self, stage: str, key: Any = None) -> contextlib.AbstractContextManager[None]:
         """One stage; `key` (a GraphKey) goes into the message."""
         if not self.enabled:
-            yield
-            return
+            return _NULL
         if stage not in STAGE_COLORS:
             raise ValueError(f"unknown stage {stage!r}, expected one of {sorted(STAGE_COLORS)}")
-        message = stage if key is None else f"{stage} {key}"
-        label = None
-        if self.torch_labels and torch.autograd.profiler._is_profiler_enabled:
-            label = torch.autograd.profiler.record_function(f"graphattn::{message}")
-            label.__enter__()
-        if self.nvtx is not None:
-            self.nvtx.push_range(message, color=STAGE_COLORS[stage], domain=self.domain)
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.nvtx is not None:
-                self.nvtx.pop_range(domain=self.domain)
-            if label is not None:
-                label.__exit__(None, None, None)
+        return _Range(self, stage, key)
+
+
+class _Range:
+    __slots__ = ("prof", "stage", "key", "label")
+
+    def __init__(self, prof: StageProfiler, stage: str, key: Any) -> None:
+        self.prof, self.stage, self.key, self.label = prof, stage, key, None
+
+    def __enter__(self) -> None:
+        prof = self.prof
+        message = self.stage if self.key is None else f"{self.stage} {self.key}"
+        if prof.torch_labels and torch.autograd.profiler._is_profiler_enabled:
+            self.label = torch.autograd.profiler.record_function(f"graphattn::{message}")
+            self.label.__enter__()
+        if prof.nvtx is not None:
+            prof.nvtx.push_range(message, color=STAGE_COLORS[self.stage], domain=prof.domain)
+        prof.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        prof = self.prof
+        prof.depth -= 1
+        if prof.nvtx is not None:
+            prof.nvtx.pop_range(domain=prof.domain)
+        if self.label is not None:
+            self.label.__exit__(None, None, None)
+
+
+_NULL = contextlib.nullcontext()
