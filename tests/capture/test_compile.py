@@ -41,3 +41,64 @@ def test_steady_state_block():
     with c.steady_state(), pytest.raises(RecompileError):
         c({"x": torch.randn(3, 4)}, GraphKey(3, 3, 4, True))
     assert not c.frozen
+
+
+def _kv_forward_setup(device):
+    from graphattn.backends.kernels import allocate_kv_cache
+    from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
+
+    impl = PagedAttentionImpl(4, 16, 2)
+    caches = tuple(allocate_kv_cache(8, 4, 2, 16, torch.float32, device) for _ in range(2))
+
+    def forward(inputs, key):
+        meta = PagedAttentionMetadata(key.num_reqs_padded, key.num_tokens_padded, key.query_len,
+                                      key.max_len_bucket, key.max_len_bucket // 4,
+                                      inputs["query_start_loc"], inputs["seq_lens"],
+                                      inputs["block_table"], inputs["slot_mapping"])
+        return impl.forward(inputs["q"], inputs["k"], inputs["v"], caches, meta)
+
+    return forward, caches
+
+
+def _kv_inputs(key, device, gen, seq_lens):
+    r = key.num_reqs_padded
+    bt = torch.arange(r * 2, dtype=torch.int32).view(r, 2)
+    pos = torch.tensor(seq_lens) - 1
+    return {"q": torch.randn(r, 4, 16, generator=gen).to(device),
+            "k": torch.randn(r, 2, 16, generator=gen).to(device),
+            "v": torch.randn(r, 2, 16, generator=gen).to(device),
+            "query_start_loc": torch.arange(r + 1, dtype=torch.int32).to(device),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32).to(device),
+            "block_table": bt.to(device),
+            "slot_mapping": (bt[torch.arange(r), pos // 4].long() * 4 + pos % 4).to(device)}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_forward_writing_kv_in_place_is_captured(device):
+    """The compiled forward mutates the KV cache; our manager captures it (on CUDA: a real
+    graph, where plain reduce-overhead would skip cudagraphs for mutated inputs)."""
+    from capture.graphs import CUDAGraphManager
+
+    torch._dynamo.reset()
+    forward, caches = _kv_forward_setup(device)
+    compiled = BucketCompiler(forward, backend="inductor")
+    mgr = CUDAGraphManager(compiled, device, pad_values={"slot_mapping": -1,
+                                                        "query_start_loc": "edge"})
+    gen = torch.Generator().manual_seed(0)
+    keys = [GraphKey(2, 2, 8, True), GraphKey(4, 4, 8, True)]
+    mgr.capture(keys, lambda k: _kv_inputs(k, device, gen, [1] * k.num_reqs_padded))
+    assert compiled.num_compiles == 2
+    compiled.freeze()
+    for step, lens in enumerate(([3, 5, 2, 7], [4, 6, 3, 8], [5, 1, 4, 8])):
+        key = keys[1]
+        live = _kv_inputs(key, device, gen, lens)
+        eager_caches = tuple(c.clone() for c in caches)
+        out = mgr.replay(key, live, 4)
+        ref_forward, ref_caches = _kv_forward_setup(device)
+        for c, e in zip(ref_caches, eager_caches, strict=True):
+            c.copy_(e)
+        ref = ref_forward(live, key)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        for c, e in zip(caches, ref_caches, strict=True):  # the in-place write happened
+            torch.testing.assert_close(c[:-1], e[:-1])
+    assert compiled.num_compiles == 2  # no steady-state recompile
