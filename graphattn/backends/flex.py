@@ -8,7 +8,6 @@ mask itself reads the true lengths on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -24,8 +23,7 @@ from graphattn.backends.kernels import (
     token_request_index,
     write_to_cache,
 )
-from graphattn.backends.paged import check_key_fits
-from graphattn.backends.registry import BackendMetadata
+from graphattn.backends.paged import PagedTensors, check_key_fits, paged_tensors
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.sync import opaque_region
 
@@ -33,17 +31,14 @@ __all__ = ["FlexAttentionBuilder", "FlexAttentionImpl", "FlexAttentionMetadata"]
 
 
 @dataclass(slots=True)
-class FlexAttentionMetadata(BackendMetadata):
-    """Flex plan: max_len is a bucket; the KV axis is rows * num_kv_blocks * block_size."""
+class FlexAttentionMetadata(PagedTensors):
+    """Flex plan: max_len is a bucket; the KV axis is rows * num_kv_blocks * block_size.
 
-    tensor_fields: ClassVar[tuple[str, ...]] = (
-        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    Tensors: see PagedTensors.
+    """
+
     max_len: int
     num_kv_blocks: int
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 class FlexAttentionBuilder:
@@ -66,8 +61,7 @@ class FlexAttentionBuilder:
             max_len=max_len,
             num_kv_blocks=block_count(max_len, self.block_size,
                                       common.block_table_tensor.shape[1]),
-            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
-            block_table=common.block_table_tensor, slot_mapping=common.slot_mapping)
+            **paged_tensors(common))
 
 
 class FlexAttentionImpl:

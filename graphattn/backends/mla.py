@@ -10,7 +10,6 @@ bound, and merge the partial results by log-sum-exp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -26,18 +25,19 @@ from graphattn.backends.kernels import (
 )
 from graphattn.backends.paged import (
     PagedAttentionMetadata,
+    PagedTensors,
     check_key_fits,
     leading_decodes,
     paged_attention,
+    paged_tensors,
 )
-from graphattn.backends.registry import BackendMetadata
 from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = ["MLABuilder", "MLAImpl", "MLAMetadata"]
 
 
 @dataclass(slots=True)
-class MLAMetadata(BackendMetadata):
+class MLAMetadata(PagedTensors):
     """MLA plan and tensors.
 
     Attributes
@@ -54,10 +54,10 @@ class MLAMetadata(BackendMetadata):
     max_prefill_query_len : int
     max_len, num_kv_blocks : int
         Decode path sizes.
+
+    Tensors: see PagedTensors.
     """
 
-    tensor_fields: ClassVar[tuple[str, ...]] = (
-        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
     num_decodes: int
     num_decode_tokens: int
     decode_query_len: int
@@ -69,16 +69,12 @@ class MLAMetadata(BackendMetadata):
     max_prefill_query_len: int
     max_len: int
     num_kv_blocks: int
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
 
     def decode_view(self) -> PagedAttentionMetadata:
         return PagedAttentionMetadata(
-            self.num_decodes, self.num_decode_tokens, self.decode_query_len, self.max_len,
-            self.num_kv_blocks, self.query_start_loc, self.seq_lens, self.block_table,
-            self.slot_mapping)
+            num_decodes=self.num_decodes, num_decode_tokens=self.num_decode_tokens,
+            decode_query_len=self.decode_query_len, max_len=self.max_len,
+            num_kv_blocks=self.num_kv_blocks, **self.tensors())
 
 
 class MLABuilder:
@@ -132,8 +128,7 @@ class MLABuilder:
             num_chunks=-(-max_ctx // chunk), max_prefill_query_len=int(q[pre].max(initial=0)),
             max_len=max_len,
             num_kv_blocks=block_count(max_len, bs, common.block_table_tensor.shape[1]),
-            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
-            block_table=common.block_table_tensor, slot_mapping=common.slot_mapping,
+            **paged_tensors(common),
         )
 
 

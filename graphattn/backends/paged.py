@@ -21,7 +21,7 @@ from graphattn.backends.registry import BackendMetadata
 from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = ["PagedAttentionBuilder", "PagedAttentionImpl", "PagedAttentionMetadata",
-           "check_key_fits", "leading_decodes"]
+           "PagedTensors", "check_key_fits", "leading_decodes", "paged_tensors"]
 
 
 def leading_decodes(query_lens: np.ndarray, decode_query_len: int) -> int:
@@ -51,7 +51,31 @@ def check_key_fits(common: CommonAttentionMetadata, key: GraphKey) -> None:
 
 
 @dataclass(slots=True)
-class PagedAttentionMetadata(BackendMetadata):
+class PagedTensors(BackendMetadata):
+    """Device tensors of a paged-cache backend: the static inputs of its graphs.
+
+    Attributes
+    ----------
+    query_start_loc : int32 [rows + 1]; seq_lens : int32 [rows] (true lengths);
+    block_table : int32 [rows, max_blocks]; slot_mapping : int64 [tokens].
+    """
+
+    tensor_fields: ClassVar[tuple[str, ...]] = (
+        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def paged_tensors(common: CommonAttentionMetadata) -> dict[str, torch.Tensor]:
+    """The PagedTensors fields of `common`, as keyword arguments."""
+    return dict(query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+                block_table=common.block_table_tensor, slot_mapping=common.slot_mapping)
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata(PagedTensors):
     """Plan (CPU ints) and device tensors of paged attention.
 
     Attributes
@@ -63,21 +87,14 @@ class PagedAttentionMetadata(BackendMetadata):
         Upper bound of every row's length (bound max, or the key's bucket).
     num_kv_blocks : int
         Blocks gathered per row, ceil(max_len / block_size).
-    query_start_loc : int32 [rows + 1]; seq_lens : int32 [rows] (true lengths);
-    block_table : int32 [rows, max_blocks]; slot_mapping : int64 [tokens].
+    Tensors: see PagedTensors.
     """
 
-    tensor_fields: ClassVar[tuple[str, ...]] = (
-        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
     num_decodes: int
     num_decode_tokens: int
     decode_query_len: int
     max_len: int
     num_kv_blocks: int
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 class PagedAttentionBuilder:
@@ -116,13 +133,7 @@ class PagedAttentionBuilder:
     def build(self, common: CommonAttentionMetadata,
               key: GraphKey | None = None) -> PagedAttentionMetadata:
         """Metadata of `common`; with `key`, the plan of that key's graph."""
-        return PagedAttentionMetadata(
-            **self.plan(common, key),
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table_tensor,
-            slot_mapping=common.slot_mapping,
-        )
+        return PagedAttentionMetadata(**self.plan(common, key), **paged_tensors(common))
 
 
 class PagedAttentionImpl:

@@ -10,7 +10,6 @@ budget, planned on CPU from the upper bound.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -25,8 +24,12 @@ from graphattn.backends.kernels import (
     token_request_index,
     write_to_cache,
 )
-from graphattn.backends.paged import check_key_fits, leading_decodes
-from graphattn.backends.registry import BackendMetadata
+from graphattn.backends.paged import (
+    PagedTensors,
+    check_key_fits,
+    leading_decodes,
+    paged_tensors,
+)
 from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = ["PrefillChunk", "SparseIndexerBuilder", "SparseIndexerImpl", "SparseIndexerMetadata",
@@ -69,7 +72,7 @@ def plan_prefill_chunks(query_lens: np.ndarray, bounds: np.ndarray, budget: int,
 
 
 @dataclass(slots=True)
-class SparseIndexerMetadata(BackendMetadata):
+class SparseIndexerMetadata(PagedTensors):
     """Sparse-indexer plan and tensors.
 
     Attributes
@@ -78,20 +81,16 @@ class SparseIndexerMetadata(BackendMetadata):
     max_len, num_kv_blocks : int
         Key length of the decode rows (bound max or the key's bucket).
     prefill_chunks : tuple[PrefillChunk, ...]
+
+    Tensors: see PagedTensors.
     """
 
-    tensor_fields: ClassVar[tuple[str, ...]] = (
-        "query_start_loc", "seq_lens", "block_table", "slot_mapping")
     num_decodes: int
     num_decode_tokens: int
     decode_query_len: int
     max_len: int
     num_kv_blocks: int
     prefill_chunks: tuple[PrefillChunk, ...]
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 class SparseIndexerBuilder:
@@ -135,9 +134,7 @@ class SparseIndexerBuilder:
             num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd, max_len=max_len,
             num_kv_blocks=block_count(max_len, self.block_size,
                                       common.block_table_tensor.shape[1]),
-            prefill_chunks=chunks, query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens, block_table=common.block_table_tensor,
-            slot_mapping=common.slot_mapping)
+            prefill_chunks=chunks, **paged_tensors(common))
 
 
 class SparseIndexerImpl:

@@ -51,10 +51,11 @@ def _kv_forward_setup(device):
     caches = tuple(allocate_kv_cache(8, 4, 2, 16, torch.float32, device) for _ in range(2))
 
     def forward(inputs, key):
-        meta = PagedAttentionMetadata(key.num_reqs_padded, key.num_tokens_padded, key.query_len,
-                                      key.max_len_bucket, key.max_len_bucket // 4,
-                                      inputs["query_start_loc"], inputs["seq_lens"],
-                                      inputs["block_table"], inputs["slot_mapping"])
+        meta = PagedAttentionMetadata(
+            num_decodes=key.num_reqs_padded, num_decode_tokens=key.num_tokens_padded,
+            decode_query_len=key.query_len, max_len=key.max_len_bucket,
+            num_kv_blocks=key.max_len_bucket // 4,
+            **{f: inputs[f] for f in PagedAttentionMetadata.tensor_fields})
         return impl.forward(inputs["q"], inputs["k"], inputs["v"], caches, meta)
 
     return forward, caches
@@ -89,7 +90,7 @@ def test_compiled_forward_writing_kv_in_place_is_captured(device):
     mgr.capture(keys, lambda k: _kv_inputs(k, device, gen, [1] * k.num_reqs_padded))
     assert compiled.num_compiles == 2
     compiled.freeze()
-    for step, lens in enumerate(([3, 5, 2, 7], [4, 6, 3, 8], [5, 1, 4, 8])):
+    for lens in ([3, 5, 2, 7], [4, 6, 3, 8], [5, 1, 4, 8]):
         key = keys[1]
         live = _kv_inputs(key, device, gen, lens)
         eager_caches = tuple(c.clone() for c in caches)
