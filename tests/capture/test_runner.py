@@ -119,3 +119,16 @@ def test_cuda_graphs_1000_random_steps_match_eager():
     keys, graph_steps = drive(model, st, runner, 1000, np.random.default_rng(1),
                               dict(rtol=2e-3, atol=2e-3), check_every=10)
     assert graph_steps > 500 and len(keys) > 5
+
+
+def test_whole_runner_step_on_meta_device():
+    model, st, runner = make_runner(device="meta", dtype=torch.float32)
+    runner.capture()
+    runner.add_request("a", [1, 2, 3, 4])
+    runner.add_request("b", [5, 6])
+    with no_host_sync():
+        first = runner.step(SchedulerOutput(np.array([0, 1]), np.array([4, 2])))
+        out = runner.step(SchedulerOutput(np.array([0, 1]), np.array([1, 1])))
+        runner.dummy_run(GraphKey(4, 4, 32, True))
+    assert first.logits.device.type == "meta" and out.key == GraphKey(2, 2, 32, True)
+    assert out.logits.shape == (2, 128) and st.num_computed_tokens_np[:2].tolist() == [5, 3]
