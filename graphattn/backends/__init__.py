@@ -15,9 +15,10 @@ from graphattn.backends.sparse_indexer import SparseIndexerBuilder, SparseIndexe
 
 register_backend(AttentionBackendEnum.PAGED, BackendSpec(
     PagedAttentionBuilder, PagedAttentionImpl, CaptureSupport.ALWAYS))
-# Flex is not captured: create_block_mask copies a pageable CPU tensor to the device, which
-# CUDA graph capture refuses (seen on torch 2.11, compiled or not). Until the block mask is
-# built outside the graph and fed in as static inputs, the dispatcher runs flex eager.
+# Flex is not captured yet: create_block_mask copied pageable host memory inside CUDA graph
+# capture (seen on torch 2.11, compiled or not). The builder now builds the mask outside the
+# graph and feeds its tensors in as static inputs (CPU tests pass); this stays NEVER until
+# tests/graphattn/backends/test_capture.py passes for flex on a GPU.
 register_backend(AttentionBackendEnum.FLEX, BackendSpec(
     FlexAttentionBuilder, FlexAttentionImpl, CaptureSupport.NEVER))
 register_backend(AttentionBackendEnum.MLA, BackendSpec(

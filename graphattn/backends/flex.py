@@ -3,16 +3,24 @@
 The gathered KV length is the *bucket* of the upper bound (never the live
 length), so one compiled flex kernel serves every batch of a bucket; the
 mask itself reads the true lengths on the device.
+
+The builder runs create_block_mask (device ops, no host read) outside any
+graph: it copies pageable host memory, which CUDA graph capture refuses. The
+mask's block tensors and the mask_mod's per-token arrays are metadata
+tensors, so a captured graph reads them from its static buffers and rebuilds
+the BlockMask with ``BlockMask.from_kv_blocks`` (no device work).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from einops import rearrange
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from capture.buckets import LengthBuckets
 from capture.dispatcher import GraphKey
@@ -32,23 +40,78 @@ __all__ = ["FlexAttentionBuilder", "FlexAttentionImpl", "FlexAttentionMetadata"]
 
 @dataclass(slots=True)
 class FlexAttentionMetadata(PagedTensors):
-    """Flex plan: max_len is a bucket; the KV axis is rows * num_kv_blocks * block_size.
+    """Flex plan and tensors.
 
-    Tensors: see PagedTensors.
+    Attributes
+    ----------
+    max_len, num_kv_blocks, cache_block_size : int
+        Bucketed length; cache blocks gathered per row, and their size.
+    mask_block_size, q_len, kv_len : int
+        Block-mask tile, and the query / KV axes padded to multiples of it.
+    mask_req, mask_pos : torch.Tensor
+        int64 [q_len]: row and position of each query (-1 / 0 when padded).
+    mask_valid : torch.Tensor
+        bool [q_len]: real query tokens.
+    kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices : torch.Tensor
+        The BlockMask's block tensors (see torch.nn.attention.flex_attention).
+    Other tensors: see PagedTensors.
     """
 
+    tensor_fields: ClassVar[tuple[str, ...]] = PagedTensors.tensor_fields + (
+        "mask_req", "mask_pos", "mask_valid", "kv_num_blocks", "kv_indices",
+        "full_kv_num_blocks", "full_kv_indices")
     max_len: int
     num_kv_blocks: int
+    cache_block_size: int
+    mask_block_size: int
+    q_len: int
+    kv_len: int
+    mask_req: torch.Tensor
+    mask_pos: torch.Tensor
+    mask_valid: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+
+
+def _mask_mod(req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, kv_per_row: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = kv_idx // kv_per_row
+        return (row == req[q_idx]) & (kv_idx - row * kv_per_row <= pos[q_idx]) & valid[q_idx]
+
+    return mask_mod
+
+
+_FROM_KV_KWARGS = (
+    {"compute_q_blocks": False}
+    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+)
 
 
 class FlexAttentionBuilder:
-    """Parameters: block_size, and the LengthBuckets that size the block mask."""
+    """Plans flex metadata and builds its block mask (device ops, outside graphs).
 
-    def __init__(self, block_size: int, length_buckets: LengthBuckets) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size = {block_size}, expected >= 1")
+    Parameters
+    ----------
+    block_size : int
+        KV-cache block size.
+    length_buckets : LengthBuckets
+        Size the gathered KV axis in eager mode (a key's bucket in graph mode).
+    mask_block_size : int
+        BLOCK_SIZE of the block mask (a multiple of 128 when compiled on CUDA);
+        queries and the gathered KV axis are padded to multiples of it.
+    """
+
+    def __init__(self, block_size: int, length_buckets: LengthBuckets,
+                 mask_block_size: int = 128) -> None:
+        if block_size < 1 or mask_block_size < 1:
+            raise ValueError(
+                f"block_size = {block_size}, mask_block_size = {mask_block_size}: both must be >= 1"
+            )
         self.block_size = block_size
         self.length_buckets = length_buckets
+        self.mask_block_size = mask_block_size
 
     def build(self, common: CommonAttentionMetadata,
               key: GraphKey | None = None) -> FlexAttentionMetadata:
@@ -57,10 +120,25 @@ class FlexAttentionBuilder:
             max_len = key.max_len_bucket
         else:
             max_len = self.length_buckets.bucket(common.max_seq_len)
+        nb = block_count(max_len, self.block_size, common.block_table_tensor.shape[1])
+        t, rows, blk = common.num_tokens_padded, common.num_reqs, self.mask_block_size
+        kv_per_row = nb * self.block_size
+        q_len = max(-(-t // blk) * blk, blk)
+        kv_len = max(-(-(rows * kv_per_row) // blk) * blk, blk)
+        req = token_request_index(common.query_start_loc, t) if rows else torch.zeros(
+            t, dtype=torch.long, device=common.slot_mapping.device)
+        pos = token_positions(common.query_start_loc, common.seq_lens, req) if rows else req
+        valid = common.slot_mapping[:t] >= 0
+        req = nn.functional.pad(req, (0, q_len - t), value=-1)
+        pos = nn.functional.pad(pos, (0, q_len - t))
+        valid = nn.functional.pad(valid, (0, q_len - t))
+        bm = create_block_mask(_mask_mod(req, pos, valid, kv_per_row), None, None, q_len, kv_len,
+                               device=req.device, BLOCK_SIZE=blk)
         return FlexAttentionMetadata(
-            max_len=max_len,
-            num_kv_blocks=block_count(max_len, self.block_size,
-                                      common.block_table_tensor.shape[1]),
+            max_len=max_len, num_kv_blocks=nb, mask_block_size=blk, q_len=q_len, kv_len=kv_len,
+            mask_req=req, mask_pos=pos, mask_valid=valid, kv_num_blocks=bm.kv_num_blocks,
+            kv_indices=bm.kv_indices, full_kv_num_blocks=bm.full_kv_num_blocks,
+            full_kv_indices=bm.full_kv_indices, cache_block_size=self.block_size,
             **paged_tensors(common))
 
 
@@ -73,28 +151,23 @@ class FlexAttentionImpl:
     compile : bool, optional
         torch.compile flex_attention (default: on CUDA only; off elsewhere, where
         the unfused reference implementation runs).
-    mask_block_size : int
-        BLOCK_SIZE of the block mask (a multiple of 128 when compiled on CUDA);
-        queries and the gathered KV axis are padded to multiples of it.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
-                 scale: float | None = None, compile: bool | None = None,
-                 mask_block_size: int = 128) -> None:
+                 scale: float | None = None, compile: bool | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.compile = compile
-        self.mask_block_size = mask_block_size
         self._compiled = None
 
-    def _flex(self, device: torch.device):
+    def _flex(self, device: torch.device, mask_block_size: int):
         use = self.compile if self.compile is not None else device.type == "cuda"
         if not use:
             return flex_attention
-        if device.type == "cuda" and self.mask_block_size % 128:
+        if device.type == "cuda" and mask_block_size % 128:
             raise ValueError(
-                f"mask_block_size = {self.mask_block_size}: compiled flex_attention on CUDA "
+                f"mask_block_size = {mask_block_size}: compiled flex_attention on CUDA "
                 "needs a multiple of 128 (its Triton kernel has no smaller tile)"
             )
         if self._compiled is None:
@@ -109,37 +182,26 @@ class FlexAttentionImpl:
         write_to_cache(k_cache, meta.slot_mapping, k)
         write_to_cache(v_cache, meta.slot_mapping, v)
         t = q.shape[0]
-        rows = meta.block_table.shape[0]
-        if t == 0 or rows == 0:
+        if t == 0 or meta.block_table.shape[0] == 0:
             return q.new_zeros(t, q.shape[1], v.shape[-1])
-        kv_per_row = meta.num_kv_blocks * k_cache.shape[1]
-        # Both axes padded to the mask block: the compiled kernel needs multiples of it.
-        blk = self.mask_block_size
-        tq = -(-t // blk) * blk
-        kv_len = -(-(rows * kv_per_row) // blk) * blk
+        if k_cache.shape[1] != meta.cache_block_size:
+            raise ValueError(f"cache block size {k_cache.shape[1]}, but the builder planned for "
+                             f"{meta.cache_block_size}")
 
         def gathered(cache: torch.Tensor) -> torch.Tensor:
             x = rearrange(gather_paged(cache, meta.block_table, meta.num_kv_blocks),
                           "r l h d -> 1 h (r l) d")
-            return nn.functional.pad(x, (0, 0, 0, kv_len - x.shape[2])).to(q.dtype)
+            return nn.functional.pad(x, (0, 0, 0, meta.kv_len - x.shape[2])).to(q.dtype)
 
-        req = token_request_index(meta.query_start_loc, t)
-        pos = token_positions(meta.query_start_loc, meta.seq_lens, req)
-        valid = meta.slot_mapping[:t] >= 0
-        req = nn.functional.pad(req, (0, tq - t), value=-1)
-        pos = nn.functional.pad(pos, (0, tq - t))
-        valid = nn.functional.pad(valid, (0, tq - t))
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            row = kv_idx // kv_per_row
-            return (row == req[q_idx]) & (kv_idx - row * kv_per_row <= pos[q_idx]) & valid[q_idx]
-
-        block_mask = create_block_mask(mask_mod, None, None, tq, kv_len, device=q.device,
-                                       BLOCK_SIZE=blk)
-        qp = nn.functional.pad(rearrange(q, "t h d -> 1 h t d"), (0, 0, 0, tq - t))
+        kv_per_row = meta.num_kv_blocks * meta.cache_block_size
+        block_mask = BlockMask.from_kv_blocks(
+            meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices,
+            BLOCK_SIZE=meta.mask_block_size,
+            mask_mod=_mask_mod(meta.mask_req, meta.mask_pos, meta.mask_valid, kv_per_row),
+            seq_lengths=(meta.q_len, meta.kv_len), **_FROM_KV_KWARGS)
+        qp = nn.functional.pad(rearrange(q, "t h d -> 1 h t d"), (0, 0, 0, meta.q_len - t))
         with opaque_region():
-            out = self._flex(q.device)(
+            out = self._flex(q.device, meta.mask_block_size)(
                 qp, gathered(k_cache), gathered(v_cache), block_mask=block_mask,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out[:, :, :t]
-        return rearrange(out, "1 h t d -> t h d")
+        return rearrange(out[:, :, :t], "1 h t d -> t h d")

@@ -39,10 +39,10 @@ class Case:
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.FLEX:
-            self.builder = spec_.builder_cls(BS, LengthBuckets(MAXLEN, (32, 64)))
             # compiled on CUDA (128-wide mask blocks), reference implementation on CPU
-            self.impl = spec_.impl_cls(H, D, HKV, compile=flex_compile,
-                                       mask_block_size=32 if device == "cpu" else 128)
+            self.builder = spec_.builder_cls(BS, LengthBuckets(MAXLEN, (32, 64)),
+                                             mask_block_size=32 if device == "cpu" else 128)
+            self.impl = spec_.impl_cls(H, D, HKV, compile=flex_compile)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
         elif name == AttentionBackendEnum.MLA:
@@ -96,10 +96,6 @@ def device(request):
     return request.param
 
 
-FLEX_CUDA_XFAIL = ("create_block_mask copies a pageable CPU tensor during CUDA graph capture "
-                   "(torch 2.11); flex is registered CaptureSupport.NEVER until the mask is built "
-                   "outside the graph")
-
 
 CASES = [(b, spec) for b in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FLEX,
                               AttentionBackendEnum.MLA, AttentionBackendEnum.SPARSE_INDEXER)
@@ -112,9 +108,8 @@ def test_capture_replay_matches_eager(name, spec, device):
     case = Case(name, device, num_slots, spec)
     name = case.name
     if name == AttentionBackendEnum.FLEX:
-        if device == "cuda":
-            pytest.xfail(FLEX_CUDA_XFAIL)  # recorded on the GPU; see bench/RESULTS.md
-        case.support = CaptureSupport.ALWAYS  # CPU: the static-buffer semantics still hold
+        # registered NEVER until this test passes on a GPU (graphattn/backends/__init__.py)
+        case.support = CaptureSupport.ALWAYS
     st = RequestState(num_slots, MAXLEN, BS, device)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)

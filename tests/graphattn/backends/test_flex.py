@@ -23,7 +23,7 @@ def test_matches_paged_and_dense(spec, pad):
     flex_caches = [allocate_kv_cache(sc.num_blocks, BS, HKV, D, torch.float64, "cpu")
                    for _ in range(2)]
     paged_caches = [c.clone() for c in flex_caches]
-    fb, fi = FlexAttentionBuilder(BS, lb), FlexAttentionImpl(H, D, HKV, mask_block_size=16)
+    fb, fi = FlexAttentionBuilder(BS, lb, mask_block_size=16), FlexAttentionImpl(H, D, HKV)
     pb, pi = PagedAttentionBuilder(BS, spec + 1), PagedAttentionImpl(H, D, HKV)
     lens = set()
     for _ in range(20):
@@ -50,9 +50,11 @@ def test_meta_builder():
     assert meta.max_len == LengthBuckets(128).bucket(common.max_seq_len)
     with pytest.raises(ValueError, match="block_size = 0"):
         FlexAttentionBuilder(0, LengthBuckets(8))
+    assert meta.q_len % 128 == 0 and meta.kv_len % 128 == 0
+    assert meta.mask_req.shape == (meta.q_len,) and meta.kv_indices.device.type == "meta"
 
 
 def test_compiled_cuda_needs_128_blocks():
-    impl = FlexAttentionImpl(H, D, HKV, compile=True, mask_block_size=32)
+    impl = FlexAttentionImpl(H, D, HKV, compile=True)
     with pytest.raises(ValueError, match="mask_block_size = 32: compiled flex_attention on CUDA"):
-        impl._flex(torch.device("cuda"))
+        impl._flex(torch.device("cuda"), 32)
