@@ -15,10 +15,9 @@ from graphattn.backends.sparse_indexer import SparseIndexerBuilder, SparseIndexe
 
 register_backend(AttentionBackendEnum.PAGED, BackendSpec(
     PagedAttentionBuilder, PagedAttentionImpl, CaptureSupport.ALWAYS))
-# Flex is not captured yet: create_block_mask copied pageable host memory inside CUDA graph
-# capture (seen on torch 2.11, compiled or not). The builder now builds the mask outside the
-# graph and feeds its tensors in as static inputs (CPU tests pass); this stays NEVER until
-# tests/graphattn/backends/test_capture.py passes for flex on a GPU.
+# Flex is not captured: inside CUDA graph capture, flex_attention's own call path copies
+# pageable host memory to the device (torch 2.11, compiled or not, and also with the block
+# mask built outside the graph as the builder does now). The dispatcher runs flex eager.
 register_backend(AttentionBackendEnum.FLEX, BackendSpec(
     FlexAttentionBuilder, FlexAttentionImpl, CaptureSupport.NEVER))
 register_backend(AttentionBackendEnum.MLA, BackendSpec(

@@ -102,14 +102,19 @@ CASES = [(b, spec) for b in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FL
          for spec in (0, 2)] + [(AttentionBackendEnum.CROSS, 0), ("flex_uncompiled", 0)]
 
 
+FLEX_CUDA = ("flex_attention copies pageable host memory inside CUDA graph capture (torch 2.11, "
+             "compiled or not, block mask built outside the graph); flex is registered NEVER")
+
+
 @pytest.mark.parametrize("name, spec", CASES, ids=lambda c: getattr(c, "value", str(c)))
-def test_capture_replay_matches_eager(name, spec, device):
+def test_capture_replay_matches_eager(name, spec, device, request):
     num_slots = 6
     case = Case(name, device, num_slots, spec)
     name = case.name
     if name == AttentionBackendEnum.FLEX:
-        # registered NEVER until this test passes on a GPU (graphattn/backends/__init__.py)
-        case.support = CaptureSupport.ALWAYS
+        if device == "cuda":  # runs, and must fail until torch lets flex be captured
+            request.applymarker(pytest.mark.xfail(strict=True, reason=FLEX_CUDA))
+        case.support = CaptureSupport.ALWAYS  # registered NEVER; the semantics still hold
     st = RequestState(num_slots, MAXLEN, BS, device)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
