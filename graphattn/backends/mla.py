@@ -16,7 +16,6 @@ import torch
 
 from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
-    block_count,
     gather_positions,
     grouped_attention,
     merge_attention,
@@ -24,10 +23,8 @@ from graphattn.backends.kernels import (
     write_to_cache,
 )
 from graphattn.backends.paged import (
+    PagedAttentionBuilder,
     PagedAttentionMetadata,
-    PagedTensors,
-    check_key_fits,
-    leading_decodes,
     paged_attention,
     paged_tensors,
 )
@@ -37,13 +34,11 @@ __all__ = ["MLABuilder", "MLAImpl", "MLAMetadata"]
 
 
 @dataclass(slots=True)
-class MLAMetadata(PagedTensors):
-    """MLA plan and tensors.
+class MLAMetadata(PagedAttentionMetadata):
+    """MLA plan and tensors; the decode plan and tensors are PagedAttentionMetadata's.
 
     Attributes
     ----------
-    num_decodes, num_decode_tokens, decode_query_len : int
-        Leading decode rows (batched path).
     num_prefills, num_prefill_tokens : int
         Rows after them with query tokens, and those tokens.
     context_lens_cpu : np.ndarray
@@ -52,32 +47,17 @@ class MLAMetadata(PagedTensors):
         Context positions per row per chunk (num_prefills * chunk_size <=
         workspace_size), and chunks to cover the largest context bound.
     max_prefill_query_len : int
-    max_len, num_kv_blocks : int
-        Decode path sizes.
-
-    Tensors: see PagedTensors.
     """
 
-    num_decodes: int
-    num_decode_tokens: int
-    decode_query_len: int
     num_prefills: int
     num_prefill_tokens: int
     context_lens_cpu: np.ndarray
     chunk_size: int
     num_chunks: int
     max_prefill_query_len: int
-    max_len: int
-    num_kv_blocks: int
-
-    def decode_view(self) -> PagedAttentionMetadata:
-        return PagedAttentionMetadata(
-            num_decodes=self.num_decodes, num_decode_tokens=self.num_decode_tokens,
-            decode_query_len=self.decode_query_len, max_len=self.max_len,
-            num_kv_blocks=self.num_kv_blocks, **self.tensors())
 
 
-class MLABuilder:
+class MLABuilder(PagedAttentionBuilder):
     """Plans MLA metadata from CPU numbers.
 
     Parameters
@@ -94,21 +74,13 @@ class MLABuilder:
                 f"block_size={block_size}, workspace_size={workspace_size}, "
                 f"decode_query_len={decode_query_len}: all must be >= 1"
             )
-        self.block_size = block_size
+        super().__init__(block_size, decode_query_len)
         self.workspace_size = workspace_size
-        self.decode_query_len = decode_query_len
 
     def build(self, common: CommonAttentionMetadata, key: GraphKey | None = None) -> MLAMetadata:
         q = common.query_lens_cpu
-        if key is not None:
-            check_key_fits(common, key)
-            if not key.uniform_decode:
-                raise ValueError(f"MLA captures uniform batches only, got {key}")
-            nd, qd, max_len = key.num_reqs_padded, key.query_len, key.max_len_bucket
-        else:
-            qd = self.decode_query_len
-            nd = leading_decodes(q, qd)
-            max_len = common.max_seq_len
+        plan = self.plan(common, key, uniform_only=True)
+        nd = plan["num_decodes"]
         num_prefills = int((q[nd:] > 0).sum())
         pre = slice(nd, nd + num_prefills)
         ctx = common.num_computed_tokens_cpu_upper_bound[pre]
@@ -122,12 +94,9 @@ class MLABuilder:
         chunk = max(chunk, bs)
         max_ctx = int(ctx.max(initial=0))
         return MLAMetadata(
-            num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd,
-            num_prefills=num_prefills, num_prefill_tokens=int(q[pre].sum()),
+            **plan, num_prefills=num_prefills, num_prefill_tokens=int(q[pre].sum()),
             context_lens_cpu=ctx, chunk_size=chunk,
             num_chunks=-(-max_ctx // chunk), max_prefill_query_len=int(q[pre].max(initial=0)),
-            max_len=max_len,
-            num_kv_blocks=block_count(max_len, bs, common.block_table_tensor.shape[1]),
             **paged_tensors(common),
         )
 
@@ -169,7 +138,7 @@ class MLAImpl:
         ndt = meta.num_decode_tokens
         outs = []
         if meta.num_decodes:
-            outs.append(paged_attention(q[:ndt], kv_cache, values, meta.decode_view(), self.scale))
+            outs.append(paged_attention(q[:ndt], kv_cache, values, meta, self.scale))
         n_pre = 0
         if meta.num_prefills:
             o = self._prefill(q, kv_cache, meta)

@@ -115,8 +115,14 @@ class PagedAttentionBuilder:
         self.block_size = block_size
         self.decode_query_len = decode_query_len
 
-    def plan(self, common: CommonAttentionMetadata, key: GraphKey | None) -> dict[str, int]:
-        """The CPU ints: from the key when given (so a graph's plan is fixed), else the batch."""
+    def plan(self, common: CommonAttentionMetadata, key: GraphKey | None,
+             uniform_only: bool = False) -> dict[str, int]:
+        """The CPU ints: from the key when given (so a graph's plan is fixed), else the batch.
+
+        `uniform_only` rejects mixed keys (backends captured for uniform batches only).
+        """
+        if key is not None and uniform_only and not key.uniform_decode:
+            raise ValueError(f"{type(self).__name__} captures uniform batches only, got {key}")
         if key is not None:
             check_key_fits(common, key)
             nd = key.num_reqs_padded if key.uniform_decode else 0

@@ -25,9 +25,8 @@ from graphattn.backends.kernels import (
     write_to_cache,
 )
 from graphattn.backends.paged import (
-    PagedTensors,
-    check_key_fits,
-    leading_decodes,
+    PagedAttentionBuilder,
+    PagedAttentionMetadata,
     paged_tensors,
 )
 from graphattn.metadata import CommonAttentionMetadata
@@ -72,28 +71,19 @@ def plan_prefill_chunks(query_lens: np.ndarray, bounds: np.ndarray, budget: int,
 
 
 @dataclass(slots=True)
-class SparseIndexerMetadata(PagedTensors):
-    """Sparse-indexer plan and tensors.
+class SparseIndexerMetadata(PagedAttentionMetadata):
+    """Sparse-indexer plan and tensors; decode plan and tensors as PagedAttentionMetadata
+    (max_len: bound max of the decode rows, or the key's bucket).
 
     Attributes
     ----------
-    num_decodes, num_decode_tokens, decode_query_len : int
-    max_len, num_kv_blocks : int
-        Key length of the decode rows (bound max or the key's bucket).
     prefill_chunks : tuple[PrefillChunk, ...]
-
-    Tensors: see PagedTensors.
     """
 
-    num_decodes: int
-    num_decode_tokens: int
-    decode_query_len: int
-    max_len: int
-    num_kv_blocks: int
     prefill_chunks: tuple[PrefillChunk, ...]
 
 
-class SparseIndexerBuilder:
+class SparseIndexerBuilder(PagedAttentionBuilder):
     """Plans sparse-indexer metadata.
 
     Parameters
@@ -110,31 +100,23 @@ class SparseIndexerBuilder:
                 f"block_size={block_size}, logits_budget={logits_budget}, "
                 f"decode_query_len={decode_query_len}: all must be >= 1"
             )
-        self.block_size = block_size
+        super().__init__(block_size, decode_query_len)
         self.logits_budget = logits_budget
-        self.decode_query_len = decode_query_len
 
     def build(self, common: CommonAttentionMetadata,
               key: GraphKey | None = None) -> SparseIndexerMetadata:
         q = common.query_lens_cpu
         bound = common.seq_lens_cpu_upper_bound.numpy()
-        if key is not None:
-            check_key_fits(common, key)
-            if not key.uniform_decode:
-                raise ValueError(f"the sparse indexer captures uniform batches only, got {key}")
-            nd, qd, max_len = key.num_reqs_padded, key.query_len, key.max_len_bucket
-        else:
-            qd = self.decode_query_len
-            nd = leading_decodes(q, qd)
-            max_len = int(bound[:nd].max(initial=0))
+        plan = self.plan(common, key, uniform_only=True)
+        nd, qd = plan["num_decodes"], plan["decode_query_len"]
+        if key is None:  # the decode rows alone decide the decode path's key length
+            plan["max_len"] = int(bound[:nd].max(initial=0))
+            plan["num_kv_blocks"] = block_count(plan["max_len"], self.block_size,
+                                                common.block_table_tensor.shape[1])
         n_pre = int((q[nd:] > 0).sum())
         pre = slice(nd, nd + n_pre)
         chunks = plan_prefill_chunks(q[pre], bound[pre], self.logits_budget, nd, nd * qd)
-        return SparseIndexerMetadata(
-            num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd, max_len=max_len,
-            num_kv_blocks=block_count(max_len, self.block_size,
-                                      common.block_table_tensor.shape[1]),
-            prefill_chunks=chunks, **paged_tensors(common))
+        return SparseIndexerMetadata(**plan, prefill_chunks=chunks, **paged_tensors(common))
 
 
 class SparseIndexerImpl:

@@ -57,7 +57,7 @@ def test_plan_from_bound_and_errors():
         meta.num_decodes: meta.num_decodes + meta.num_prefills].tolist()
     with pytest.raises(ValueError, match="cannot hold one block of 4 tokens for each of"):
         MLABuilder(BS, 3).build(common)
-    with pytest.raises(ValueError, match="uniform batches only"):
+    with pytest.raises(ValueError, match="captures uniform batches only"):
         MLABuilder(BS, 8).build(common, GraphKey(common.num_reqs, common.num_tokens_padded,
                                                  128, False))
 

@@ -74,7 +74,7 @@ def test_errors_and_meta():
         meta = SparseIndexerBuilder(BS, 100).build(common)
     assert sum(c.tok_end - c.tok_start for c in meta.prefill_chunks) + meta.num_decode_tokens \
         == s.total_num_scheduled_tokens
-    with pytest.raises(ValueError, match="uniform batches only"):
+    with pytest.raises(ValueError, match="captures uniform batches only"):
         SparseIndexerBuilder(BS, 100).build(common, GraphKey(common.num_reqs,
                                                              common.num_tokens_padded, 128, False))
     with pytest.raises(ValueError, match="topk = 0"):
