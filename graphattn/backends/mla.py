@@ -40,7 +40,7 @@ class MLAMetadata(PagedAttentionMetadata):
     Attributes
     ----------
     num_prefills, num_prefill_tokens : int
-        Rows after them with query tokens, and those tokens.
+        Rows after the decode rows that have query tokens, and those tokens.
     context_lens_cpu : np.ndarray
         int32 [num_prefills], bound - query lens: context per prefill row.
     chunk_size, num_chunks : int
