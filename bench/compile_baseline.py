@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
-from bench.graph_replay import BOUNDARIES, MAX_LEN, reset_lengths
-from bench.setup import fill_requests, make_setup
+from bench.graph_replay import BOUNDARIES, MAX_LEN
+from bench.setup import fill_requests, make_setup, set_lengths
 from bench.timing import us_per_step
 from capture.runner import BucketPolicy, GraphRunner
 from graphattn.state import SchedulerOutput
@@ -56,13 +56,13 @@ def main() -> None:
                 runner.step(sched, force_eager=True)
             torch.cuda.synchronize()
             row["compile_s"] = time.perf_counter() - t0
-            reset_lengths(setup, lengths)
+            set_lengths(setup.state, lengths)
             step = lambda s=sched: runner.step(s, force_eager=True)  # noqa: E731
             row["us_step"] = us_per_step(step, args.steps, device)
             row["skipped_cudagraphs"] = counters["inductor"].get("cudagraph_skips", 0) > skips0
         except Exception as e:  # recorded in the table, not hidden
             row["error"] = f"{type(e).__name__}: {e}"[:300]
-        reset_lengths(setup, lengths)
+        set_lengths(setup.state, lengths)
         print("ROW " + json.dumps(row), flush=True)
 
 

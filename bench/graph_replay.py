@@ -15,20 +15,13 @@ import sys
 import numpy as np
 import torch
 
-from bench.setup import Setup, fill_requests, make_setup
+from bench.setup import Setup, fill_requests, make_setup, set_lengths
 from bench.timing import syncs_per_step, us_per_step
 from capture.runner import BucketPolicy
 from graphattn.state import SchedulerOutput
 
 MAX_LEN = 1024
 BOUNDARIES = (256, 512)
-
-
-def reset_lengths(setup: Setup, lengths: np.ndarray) -> None:
-    """Put the first len(lengths) requests back at these lengths (CPU mirror and device)."""
-    n = lengths.shape[0]
-    setup.state.num_computed_tokens_np[:n] = lengths
-    setup.state.num_computed_tokens[:n].copy_(torch.from_numpy(lengths.astype(np.int32)))
 
 
 def decode_modes(setup: Setup, sizes: tuple[int, ...], steps: int, device: str,
@@ -52,14 +45,14 @@ def decode_modes(setup: Setup, sizes: tuple[int, ...], steps: int, device: str,
             "graphs": lambda sched=sched: runner.step(sched),
         }
         key = runner.step(sched).key
-        reset_lengths(setup, lengths)
+        set_lengths(st, lengths)
         if key is not None:
             modes["replay_floor"] = lambda key=key: runner.graphs.replay_only(key)
         for mode, fn in modes.items():
             us = us_per_step(fn, steps, device)
-            reset_lengths(setup, lengths)
+            set_lengths(st, lengths)
             syncs = syncs_per_step(fn) if mode != "replay_floor" else 0.0
-            reset_lengths(setup, lengths)
+            set_lengths(st, lengths)
             rows.append({"scenario": scenario, "mode": mode, "batch": n, "us_step": us,
                          "syncs_per_step": syncs, "key": str(key)})
     return rows

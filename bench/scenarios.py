@@ -6,9 +6,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
-from bench.setup import fill_requests, make_setup
+from bench.setup import fill_requests, make_setup, set_lengths
 from bench.timing import drain, syncs_per_step
 from capture.runner import BucketPolicy
 from graphattn.backends.paged import PagedAttentionBuilder
@@ -109,8 +108,7 @@ def spec_decode(device: str, batch: int = 32, k: int = 3, steps: int = 100) -> l
                 lens = rng.integers(64, 256, batch).astype(np.int32)
                 pending.clear()
                 st.num_pending_drafts_np[slots] = 0
-                st.num_computed_tokens_np[slots] = lens
-                st.num_computed_tokens[: batch].copy_(torch.from_numpy(lens).to(st.device))
+                set_lengths(st, lens)  # slots are 0..batch-1
             return out
 
         us, syncs = _timed_steps(step, steps, device)

@@ -32,11 +32,17 @@ def make_setup(device: str, max_reqs: int, max_len: int, policy: BucketPolicy,
     return Setup(model, st, GraphRunner(model, st, policy=policy))
 
 
+def set_lengths(state: RequestState, lengths: np.ndarray) -> None:
+    """Put requests 0..len(lengths)-1 at these computed lengths, CPU mirror and device alike."""
+    n = lengths.shape[0]
+    state.num_computed_tokens_np[:n] = lengths
+    state.num_computed_tokens[:n].copy_(torch.from_numpy(lengths.astype(np.int32)))
+
+
 def fill_requests(setup: Setup, n: int, lengths: np.ndarray, rng: np.random.Generator) -> None:
     """Admit n requests whose prompts are already computed (lengths[i] tokens in the cache)."""
     st = setup.state
     for i in range(n):
         setup.runner.add_request(f"r{i}", rng.integers(0, setup.model.cfg.vocab_size,
                                                        int(lengths[i])))
-    st.num_computed_tokens_np[:n] = lengths[:n]
-    st.num_computed_tokens[:n].copy_(torch.from_numpy(lengths[:n].astype(np.int32)))
+    set_lengths(st, lengths[:n])

@@ -37,7 +37,7 @@ _READ_OPS = frozenset({
     "_unique2", "unique_dim", "unique_consecutive",
 })
 _INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
-_COPY_OPS = frozenset({"_to_copy", "copy_", "to"})
+_COPY_OPS = frozenset({"_to_copy", "copy_"})
 
 
 def _is_device(t: object) -> bool:

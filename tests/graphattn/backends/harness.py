@@ -55,8 +55,6 @@ class Scenario:
             slot = int(s.req_slots[r])
             store = self.logical.setdefault(
                 slot, torch.zeros(self.state.max_model_len, *values.shape[1:], dtype=torch.float64))
-            if self.state.num_computed_tokens_np[slot] == 0 or store.shape[1:] != values.shape[1:]:
-                pass
             sel = rows == r
             store[pos[sel]] = values[sel].double().cpu()
 

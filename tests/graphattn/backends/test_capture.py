@@ -8,6 +8,7 @@ import torch
 from capture.buckets import LengthBuckets
 from capture.dispatcher import CaptureSupport, GraphDispatcher
 from capture.graphs import CUDAGraphManager
+from capture.runner import PAD_VALUES
 from graphattn.backends import AttentionBackendEnum, get_backend
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.batch import prepare_inputs
@@ -19,7 +20,6 @@ from graphattn.transfer import to_device
 
 H, HKV, D, BS, MAXLEN = 4, 2, 16, 8, 96
 LORA, ROPE, HI, DI = 16, 8, 2, 8
-PAD = {"slot_mapping": -1, "query_start_loc": "edge", "cross_slot_mapping": -1}
 
 
 class Case:
@@ -145,7 +145,7 @@ def test_capture_replay_matches_eager(name, spec, device, request):
         meta = templates[key].with_tensors(inputs)
         return case.run(inputs, case.caches, meta)
 
-    mgr = CUDAGraphManager(forward, device, pad_values=PAD)
+    mgr = CUDAGraphManager(forward, device, pad_values=PAD_VALUES)
     report = mgr.capture(disp.all_keys(), make_inputs)
     assert report.num_graphs == len(disp.all_keys()) == 9
     seen_keys, over = set(), 0
