@@ -13,11 +13,14 @@ import torch
 
 from capture.dispatcher import GraphKey
 
-__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward"]
+__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward", "PAD_VALUES"]
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 Forward = Callable[[dict[str, torch.Tensor], GraphKey], Outputs]
 PadValue = int | float | Literal["edge"]
+# Sentinels for attention-metadata buffers: padded tokens write nowhere, padded rows are empty.
+PAD_VALUES: dict[str, PadValue] = {"slot_mapping": -1, "query_start_loc": "edge",
+                                   "cross_slot_mapping": -1}
 
 
 class GraphNotCapturedError(KeyError):
@@ -66,6 +69,13 @@ def _frozen_gc() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def _copyable(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Same device, or a host tensor copied without blocking (pinned, for CUDA)."""
+    if src.device == dst.device:
+        return True
+    return src.device.type == "cpu" and (dst.device.type != "cuda" or src.is_pinned())
 
 
 def _slice_outputs(out: Outputs, rows: int) -> Outputs:
@@ -199,10 +209,11 @@ class CUDAGraphManager:
             )
         for name, src in live.items():
             dst = static[name]
-            if src.dtype != dst.dtype or src.device != dst.device or src.ndim != dst.ndim:
+            if src.dtype != dst.dtype or src.ndim != dst.ndim or not _copyable(src, dst):
                 raise ValueError(
                     f"input {name!r}: got {src.dtype} {tuple(src.shape)} on {src.device}, "
-                    f"expected {dst.dtype} {tuple(dst.shape)} on {dst.device}"
+                    f"expected {dst.dtype} {tuple(dst.shape)} on {dst.device} (or pinned host "
+                    "memory)"
                 )
             if any(s > d for s, d in zip(src.shape, dst.shape, strict=True)):
                 raise ValueError(
@@ -231,8 +242,10 @@ class CUDAGraphManager:
         """Run the graph of `key` on live inputs; return outputs[:out_rows].
 
         Live inputs are copied into the static buffers (rows they do not cover
-        get the pad sentinel). On CUDA the returned tensors are views of the
-        graph's static outputs: the next replay overwrites them.
+        get the pad sentinel). A live input is on the buffers' device or, for
+        a CUDA graph, in pinned host memory (copied without blocking). On CUDA
+        the returned tensors are views of the graph's static outputs: the next
+        replay overwrites them.
 
         Raises
         ------

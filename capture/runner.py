@@ -1,4 +1,9 @@
-"""Wrap an existing model forward: step() = prepare, build, dispatch, replay, postprocess."""
+"""Wrap an existing model forward: step() = dispatch, plan, replay, advance the mirror.
+
+The whole device side of a step (prepare's device half, metadata build,
+forward, sampling, token write-back, device truth) is one capturable function;
+a graph step leaves the host with one packed H2D copy and one graph launch.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from capture.dispatcher import GraphDispatcher, GraphKey
 from capture.graphs import CaptureReport, CUDAGraphManager
 from capture.profiling import StageProfiler
 from graphattn.backends import AttentionBackendEnum, get_backend
-from graphattn.batch import InputBatch, prepare_inputs
+from graphattn.batch import BatchPlan, assemble_batch, plan_batch
 from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import to_device
@@ -25,7 +30,6 @@ __all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "StepOutput"]
 # forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
 ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
 STATIC_INPUTS = ("input_ids", "positions")
-PAD_VALUES = {"slot_mapping": -1, "query_start_loc": "edge", "cross_slot_mapping": -1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,11 @@ class StepOutput:
     sampled : torch.Tensor
         int64 [num_reqs] greedy tokens, already written to the token buffer.
     key : GraphKey or None
-        The replayed graph, None when the step ran eager.
+        The key whose padded shapes the step ran at; None when it ran eager at
+        its own shapes (no key fits, or force_eager).
+    replayed : bool
+        A captured graph of `key` replayed (False: the key had none and the
+        runner's on_missing="eager" ran it eagerly at the key's shapes).
     host_seconds : float
         Host time of step() (the device may still be running).
     """
@@ -77,6 +85,7 @@ class StepOutput:
     logits: torch.Tensor
     sampled: torch.Tensor
     key: GraphKey | None
+    replayed: bool
     host_seconds: float
 
 
@@ -97,8 +106,11 @@ class GraphRunner:
         Subset of ("input_ids", "positions").
     builder : object, optional
         Metadata builder (default: the backend's, built with the block size).
+        ``builder.build(common, key)`` runs inside the captured step, so with
+        a key it must plan from the key and do only capturable device work.
     on_missing : {"eager", "error"}
-        A key without a graph runs eager, or raises.
+        A key without a graph runs eagerly at the key's padded shapes (same
+        plan as its graph would use), or raises GraphNotCapturedError.
     profiler : StageProfiler, optional
         NVTX / torch.profiler ranges per stage.
     """
@@ -126,10 +138,10 @@ class GraphRunner:
             self.policy.capture_sizes,
             LengthBuckets(state.max_model_len, self.policy.length_boundaries),
             self.policy.decode_query_len, self.policy.mixed_token_sizes, spec.capture_support)
-        self.graphs = CUDAGraphManager(self._graph_forward, state.device, PAD_VALUES, on_missing)
+        self.graphs = CUDAGraphManager(self._graph_forward, state.device, on_missing=on_missing)
         self.profiler = profiler or StageProfiler(enabled=False)
         self.padding = PaddingStats()
-        self._templates: dict[GraphKey, Any] = {}
+        self._plans: dict[GraphKey, BatchPlan] = {}
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=state.device)
@@ -155,39 +167,56 @@ class GraphRunner:
         """Blocks addressed by the default allocation (excluding the sink)."""
         return self.state.max_num_reqs * self.state.max_num_blocks_per_req
 
-    # -- graphs -----------------------------------------------------------
-    def _empty(self) -> SchedulerOutput:
-        return SchedulerOutput(np.array([], np.int32), np.array([], np.int32))
+    # -- the step on the device ------------------------------------------
+    def _device_step(self, packed: torch.Tensor, plan: BatchPlan,
+                     key: GraphKey | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything a step does on the device, from its packed buffer (capturable).
 
-    def _inputs(self, batch: InputBatch, meta: Any) -> dict[str, torch.Tensor]:
-        inputs = {"logits_indices": (batch.query_start_loc[1:] - 1).clamp(min=0).long()}
+        Device half of prepare, metadata build (a key fixes the plan), forward,
+        greedy sampling, token write-back and the device truth's advance. Only
+        `plan`'s padded sizes shape the recorded work, so one capture serves
+        every live batch of its key; padded rows write into the spare column
+        and advance by 0.
+
+        Returns
+        -------
+        logits : [num_reqs_padded, vocab]; sampled : int64 [num_reqs_padded]
+        """
+        st = self.state
+        batch = assemble_batch(st, plan, packed)
+        with self.profiler.range("build", key):
+            meta = self.builder.build(build_common_metadata(batch), key)
+        inputs = {}
         if "input_ids" in self.static_input_names:
             inputs["input_ids"] = self.token_ids[batch.token_slots, batch.positions]
         if "positions" in self.static_input_names:
             inputs["positions"] = batch.positions
-        inputs.update(meta.tensors())
-        return inputs
-
-    def _run(self, inputs: dict[str, torch.Tensor], meta: Any) -> tuple[torch.Tensor, ...]:
-        model_inputs = {k: inputs[k] for k in self.static_input_names}
-        logits = self.forward(model_inputs, meta)[inputs["logits_indices"]]
-        return logits, logits.argmax(-1)
+        last = (batch.query_start_loc[1:] - 1).clamp(min=0)
+        logits = self.forward(inputs, meta)[last]
+        sampled = logits.argmax(-1)
+        seq = batch.seq_lens.long()
+        done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
+        col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
+        self.token_ids[batch.req_slots, col] = sampled
+        st.advance_device(batch.req_slots, batch.num_scheduled)
+        return logits, sampled
 
     def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
-        return self._run(inputs, self._templates[key].with_tensors(inputs))
+        if key not in self._plans:  # a key run eagerly without a capture
+            self._plans[key] = self._dummy_plan(key)
+        packed = inputs["packed"].to(self.state.device, non_blocking=True)  # static: no-op
+        return self._device_step(packed, self._plans[key], key)
 
-    def _dummy(self, key: GraphKey) -> tuple[InputBatch, Any]:
-        batch = prepare_inputs(self.state, self._empty(), key.num_reqs_padded,
-                               key.num_tokens_padded)
-        return batch, self.builder.build(build_common_metadata(batch), key)
+    def _dummy_plan(self, key: GraphKey) -> BatchPlan:
+        empty = SchedulerOutput(np.array([], np.int32), np.array([], np.int32))
+        return plan_batch(self.state, empty, key.num_reqs_padded, key.num_tokens_padded)
 
     def capture(self, keys: Sequence[GraphKey] | None = None) -> CaptureReport:
         """Capture every key of the policy (or `keys`), largest first, from dummy runs."""
 
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
-            batch, meta = self._dummy(key)
-            self._templates[key] = meta
-            return self._inputs(batch, meta)
+            self._plans[key] = plan = self._dummy_plan(key)
+            return {"packed": to_device(plan.packed, self.state.device)}
 
         with self.profiler.range("capture"):
             return self.graphs.capture(self.dispatcher.all_keys() if keys is None else keys,
@@ -195,14 +224,17 @@ class GraphRunner:
 
     def dummy_run(self, key: GraphKey) -> None:
         """Replay `key` with every row padded (slot -1, length 0): a DP rank with no work."""
-        batch, meta = self._dummy(key)
-        self.graphs.replay(key, self._inputs(batch, meta), 0)
+        self.graphs.replay(key, {"packed": self._dummy_plan(key).packed}, 0)
 
     # -- steps ------------------------------------------------------------
     def step(self, sched: SchedulerOutput, force_eager: bool = False) -> StepOutput:
         """Run one scheduled step and advance the state (no host read of device state).
 
-        `force_eager` skips the graphs (the benchmarks' eager baseline).
+        On a graph step the host plans on CPU, copies one packed buffer into
+        the graph's static input and replays; everything else runs inside the
+        graph. A key without a graph raises or runs eagerly at the key's
+        padded shapes (`on_missing`). `force_eager` runs unpadded with no key
+        (the benchmarks' eager baseline).
         """
         t0 = time.perf_counter()
         st, prof = self.state, self.profiler
@@ -211,30 +243,22 @@ class GraphRunner:
             bound_max = int((st.num_computed_tokens_np[sched.req_slots]
                              + sched.num_scheduled_tokens).max(initial=0))
             uniform = bool((sched.num_scheduled_tokens == q).all()) and sched.num_reqs > 0
-            key = self.dispatcher.dispatch(sched.num_reqs, sched.total_num_scheduled_tokens,
-                                           bound_max, uniform)
-            if force_eager or (key is not None and key not in self.graphs
-                               and self.graphs.on_missing == "eager"):
-                key = None
+            key = None if force_eager else self.dispatcher.dispatch(
+                sched.num_reqs, sched.total_num_scheduled_tokens, bound_max, uniform)
+            replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
-            batch = prepare_inputs(st, sched, *pads)
-        with prof.range("build", key):
-            meta = self.builder.build(build_common_metadata(batch), key)
-            inputs = self._inputs(batch, meta)
-        with prof.range("replay" if key else "eager", key):
+            plan = plan_batch(st, sched, *pads)
+        with prof.range("replay" if replayed else "eager", key):
             if key is None:
-                logits, sampled = self._run(inputs, meta)
+                logits, sampled = self._device_step(to_device(plan.packed, st.device), plan, None)
                 logits, sampled = logits[: sched.num_reqs], sampled[: sched.num_reqs]
             else:
-                logits, sampled = self.graphs.replay(key, inputs, sched.num_reqs)
+                logits, sampled = self.graphs.replay(key, {"packed": plan.packed},
+                                                     sched.num_reqs)
         with prof.range("postprocess"):
-            seq = batch.seq_lens[: sched.num_reqs].long()
-            done = seq >= self.prompt_lens[batch.req_slots.long()]
-            col = torch.where(done, seq, torch.full_like(seq, st.max_model_len))
-            self.token_ids[batch.req_slots.long(), col] = sampled
-            st.postprocess(sched, req_slots=batch.req_slots, num_scheduled=batch.num_scheduled)
-            self.padding.record(sched.num_reqs, batch.num_reqs_padded, batch.num_tokens,
-                                batch.num_tokens_padded, bound_max,
+            st.advance_mirror(sched)
+            self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
+                                plan.num_tokens_padded, bound_max,
                                 key.max_len_bucket if key else bound_max)
-        return StepOutput(logits, sampled, key, time.perf_counter() - t0)
+        return StepOutput(logits, sampled, key, replayed, time.perf_counter() - t0)

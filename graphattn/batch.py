@@ -1,81 +1,73 @@
-"""prepare_inputs: scheduler output -> padded InputBatch (CPU numbers + device tensors)."""
+"""prepare_inputs: scheduler output -> padded InputBatch, in two halves.
+
+`plan_batch` is the CPU half (numpy, not capturable): padded sizes and one
+packed int32 staging buffer. `assemble_batch` is the device half: it turns
+that buffer, once on the device, into positions, slot mapping, seq lens and
+block table using only the plan's padded sizes, so the same recorded ops are
+right for every live batch of those sizes (a captured graph can run it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.transfer import to_device
+from graphattn.transfer import staging_buffer, to_device
 
-__all__ = ["InputBatch", "prepare_inputs"]
+__all__ = ["BatchPlan", "InputBatch", "assemble_batch", "plan_batch", "prepare_inputs"]
+
+
+def packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
+    """Segment lengths of the packed buffer: slots | scheduled | qsl | bound | req idx | offsets."""
+    r, t = num_reqs_padded, num_tokens_padded
+    return [r, r, r + 1, r, t, t]
 
 
 @dataclass(slots=True)
-class InputBatch:
-    """One step's inputs, padded to (num_reqs_padded, num_tokens_padded).
+class BatchPlan:
+    """CPU half of one step, padded to (num_reqs_padded, num_tokens_padded).
 
-    Padded request rows have 0 scheduled tokens, bound 0, seq len 0 and block
-    table row 0; padded tokens have position 0 and slot -1.
+    Padded request rows have 0 scheduled tokens, bound 0 and slot 0; padded
+    tokens have row 0 and offset 0.
 
     Attributes
     ----------
-    req_slots_np : np.ndarray
-        int32 [num_reqs_padded], state slot per row (0 in padded rows).
-    num_scheduled_tokens_np : np.ndarray
-        int32 [num_reqs_padded], query length per row.
+    num_reqs, num_reqs_padded, num_tokens, num_tokens_padded : int
+    packed : torch.Tensor
+        int32 CPU [4 * num_reqs_padded + 1 + 2 * num_tokens_padded], pinned
+        when the state lives on CUDA: the one buffer copied to the device.
+    seq_lens_exact : bool
+        True when no draft token of these rows awaits verification, so the
+        bound equals the true length.
+    req_slots_np, num_scheduled_tokens_np : np.ndarray
+        int32 [num_reqs_padded]: state slot and query length per row (views of `packed`).
     query_start_loc_np : np.ndarray
         int32 [num_reqs_padded + 1].
     seq_lens_cpu_upper_bound_np : np.ndarray
         int32 [num_reqs_padded], num_computed_tokens_cpu + num_scheduled_tokens.
-    req_indices_np : np.ndarray
-        int32 [num_tokens_padded], row of each token (0 for padded tokens).
-    seq_lens_exact : bool
-        True when no draft token of these rows awaits verification, so the
-        bound equals the true length.
+    req_indices_np, token_offsets_np : np.ndarray
+        int32 [num_tokens_padded]: row of each token and its offset in the row's query.
     query_start_loc_cpu, seq_lens_cpu_upper_bound : torch.Tensor
         int32 CPU views of the arrays above.
-    query_start_loc : torch.Tensor
-        int32 [num_reqs_padded + 1] on device.
-    seq_lens : torch.Tensor
-        int32 [num_reqs_padded] on device, true lengths (0 in padded rows).
-    positions : torch.Tensor
-        int64 [num_tokens_padded] on device.
-    slot_mapping : torch.Tensor
-        int64 [num_tokens_padded] on device, -1 for padded tokens.
-    block_table : torch.Tensor
-        int32 [num_reqs_padded, max_num_blocks_per_req] on device.
-    req_indices : torch.Tensor
-        int64 [num_tokens_padded] on device.
-    token_slots : torch.Tensor
-        int64 [num_tokens_padded] on device: state slot of each token's row.
-    req_slots, num_scheduled : torch.Tensor
-        int32 [num_reqs] on device (unpadded), for `RequestState.postprocess`.
     """
 
     num_reqs: int
     num_reqs_padded: int
     num_tokens: int
     num_tokens_padded: int
-    req_slots_np: np.ndarray
-    num_scheduled_tokens_np: np.ndarray
-    query_start_loc_np: np.ndarray
-    seq_lens_cpu_upper_bound_np: np.ndarray
-    req_indices_np: np.ndarray
+    packed: torch.Tensor
     seq_lens_exact: bool
-    query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu_upper_bound: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    req_indices: torch.Tensor
-    token_slots: torch.Tensor
-    req_slots: torch.Tensor
-    num_scheduled: torch.Tensor
+    req_slots_np: np.ndarray = field(init=False)
+    num_scheduled_tokens_np: np.ndarray = field(init=False)
+    query_start_loc_np: np.ndarray = field(init=False)
+    seq_lens_cpu_upper_bound_np: np.ndarray = field(init=False)
+    req_indices_np: np.ndarray = field(init=False)
+    token_offsets_np: np.ndarray = field(init=False)
+    query_start_loc_cpu: torch.Tensor = field(init=False)
+    seq_lens_cpu_upper_bound: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_reqs <= self.num_reqs_padded:
@@ -88,11 +80,17 @@ class InputBatch:
                 f"num_tokens = {self.num_tokens}, expected in "
                 f"[0, num_tokens_padded={self.num_tokens_padded}]"
             )
-        if self.query_start_loc_np.shape != (self.num_reqs_padded + 1,):
+        sizes = packed_sizes(self.num_reqs_padded, self.num_tokens_padded)
+        if self.packed.shape != (sum(sizes),) or self.packed.dtype != torch.int32:
             raise ValueError(
-                f"query_start_loc_np has shape {self.query_start_loc_np.shape}, "
-                f"expected ({self.num_reqs_padded + 1},)"
+                f"packed is {self.packed.dtype} {tuple(self.packed.shape)}, expected "
+                f"torch.int32 ({sum(sizes)},)"
             )
+        (self.req_slots_np, self.num_scheduled_tokens_np, self.query_start_loc_np,
+         self.seq_lens_cpu_upper_bound_np, self.req_indices_np,
+         self.token_offsets_np) = np.split(self.packed.numpy(), np.cumsum(sizes[:-1]))
+        self.query_start_loc_cpu = torch.from_numpy(self.query_start_loc_np)
+        self.seq_lens_cpu_upper_bound = torch.from_numpy(self.seq_lens_cpu_upper_bound_np)
 
     @property
     def max_query_len(self) -> int:
@@ -104,17 +102,50 @@ class InputBatch:
         return int(self.seq_lens_cpu_upper_bound_np.max(initial=0))
 
 
-def prepare_inputs(
+@dataclass(slots=True)
+class InputBatch(BatchPlan):
+    """One step's inputs: the CPU plan (see BatchPlan) and its device tensors.
+
+    Attributes
+    ----------
+    query_start_loc : torch.Tensor
+        int32 [num_reqs_padded + 1] on device.
+    seq_lens : torch.Tensor
+        int32 [num_reqs_padded] on device, true lengths (0 in padded rows).
+    positions : torch.Tensor
+        int64 [num_tokens_padded] on device (0 for padded tokens).
+    slot_mapping : torch.Tensor
+        int64 [num_tokens_padded] on device, -1 for padded tokens.
+    block_table : torch.Tensor
+        int32 [num_reqs_padded, max_num_blocks_per_req] on device (0 in padded rows).
+    req_indices : torch.Tensor
+        int64 [num_tokens_padded] on device.
+    token_slots : torch.Tensor
+        int64 [num_tokens_padded] on device: state slot of each token's row.
+    req_slots : torch.Tensor
+        int64 [num_reqs_padded] on device (0 in padded rows).
+    num_scheduled : torch.Tensor
+        int32 [num_reqs_padded] on device (0 in padded rows).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    req_indices: torch.Tensor
+    token_slots: torch.Tensor
+    req_slots: torch.Tensor
+    num_scheduled: torch.Tensor
+
+
+def plan_batch(
     state: RequestState,
     sched: SchedulerOutput,
     num_reqs_padded: int | None = None,
     num_tokens_padded: int | None = None,
-) -> InputBatch:
-    """Build the padded InputBatch of one step.
-
-    Every number that decides a shape comes from CPU arrays; the device only
-    receives one packed host-to-device copy and gathers from the true computed
-    counts, so positions and slots stay right while the CPU bound over-estimates.
+) -> BatchPlan:
+    """CPU half of `prepare_inputs`: validate, pad and pack (numpy, no device work).
 
     Parameters
     ----------
@@ -124,10 +155,6 @@ def prepare_inputs(
         The step's schedule.
     num_reqs_padded, num_tokens_padded : int, optional
         Padded sizes (a graph key's); default: unpadded.
-
-    Returns
-    -------
-    InputBatch
 
     Raises
     ------
@@ -144,66 +171,80 @@ def prepare_inputs(
         raise ValueError(f"num_reqs_padded = {reqs_p} is below num_reqs = {num_reqs}")
     if toks_p < num_tokens:
         raise ValueError(f"num_tokens_padded = {toks_p} is below num_tokens = {num_tokens}")
-
-    # One int32 staging buffer: slots | scheduled | qsl | bound | req_indices | offsets.
-    packed = np.zeros(4 * reqs_p + 1 + 2 * toks_p, dtype=np.int32)
-    views = np.split(packed, np.cumsum([reqs_p, reqs_p, reqs_p + 1, reqs_p, toks_p]))
-    slots_np, sched_np, qsl_np, bound_np, req_idx_np, offsets_np = views
-    slots_np[:num_reqs] = sched.req_slots
-    sched_np[:num_reqs] = sched.num_scheduled_tokens
-    np.cumsum(sched_np, out=qsl_np[1:])
+    packed = staging_buffer(sum(packed_sizes(reqs_p, toks_p)), torch.int32, state.device)
+    plan = BatchPlan(num_reqs, reqs_p, num_tokens, toks_p, packed,
+                     seq_lens_exact=not state.num_pending_drafts_np[sched.req_slots].any())
+    plan.req_slots_np[:num_reqs] = sched.req_slots
+    plan.num_scheduled_tokens_np[:num_reqs] = sched.num_scheduled_tokens
+    np.cumsum(plan.num_scheduled_tokens_np, out=plan.query_start_loc_np[1:])
     np.add(state.num_computed_tokens_np[sched.req_slots], sched.num_scheduled_tokens,
-           out=bound_np[:num_reqs])
-    req_idx_np[:num_tokens] = np.repeat(np.arange(num_reqs, dtype=np.int32),
-                                        sched.num_scheduled_tokens)
-    offsets_np[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
-                               - qsl_np[req_idx_np[:num_tokens]])
+           out=plan.seq_lens_cpu_upper_bound_np[:num_reqs])
+    req_idx = plan.req_indices_np[:num_tokens]
+    req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
+    np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],
+                out=plan.token_offsets_np[:num_tokens])
+    return plan
 
-    dev = to_device(packed, state.device)
+
+def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor) -> InputBatch:
+    """Device half of `prepare_inputs` (capturable): the InputBatch of `plan`.
+
+    Reads `plan`'s padded sizes only, never its live counts: padded rows are
+    the rows with 0 scheduled tokens and padded tokens those past the last
+    query_start_loc entry, both found on the device. So the ops recorded for
+    a dummy plan are right for every live plan of the same padded sizes.
+    Positions and slots come from the true computed counts on the device, so
+    they stay right while the CPU bound over-estimates.
+
+    Parameters
+    ----------
+    state : RequestState
+        Its device tensors (computed counts, block table) are read.
+    plan : BatchPlan
+        Gives the padded sizes and the CPU fields of the result.
+    packed : torch.Tensor
+        int32 [plan.packed.shape[0]] on `state.device`: a packed buffer of
+        those sizes (this plan's, or a live one's in a captured graph).
+    """
+    reqs_p, toks_p = plan.num_reqs_padded, plan.num_tokens_padded
     d_slots, d_sched, d_qsl, _, d_req_idx, d_offsets = torch.split(
-        dev, [reqs_p, reqs_p, reqs_p + 1, reqs_p, toks_p, toks_p]
-    )
+        packed, packed_sizes(reqs_p, toks_p))
     d_slots = d_slots.long()
     d_req_idx = d_req_idx.long()
-    token_slots = d_slots[d_req_idx] if reqs_p else torch.zeros_like(d_req_idx)
+    real_row = d_sched > 0
+    real_tok = torch.arange(toks_p, device=packed.device) < d_qsl[-1]
     computed = state.num_computed_tokens[d_slots]
-    seq_lens = computed + d_sched
-    seq_lens[num_reqs:].fill_(0)
+    seq_lens = torch.where(real_row, computed + d_sched, 0)
     if reqs_p == 0:  # padded tokens with no row at all: nothing to gather
-        positions = torch.zeros(toks_p, dtype=torch.int64, device=state.device)
-        slot_mapping = torch.full((toks_p,), -1, dtype=torch.int64, device=state.device)
+        token_slots = torch.zeros_like(d_req_idx)
+        positions = torch.zeros(toks_p, dtype=torch.int64, device=packed.device)
+        slot_mapping = torch.full((toks_p,), -1, dtype=torch.int64, device=packed.device)
     else:
-        positions = (computed[d_req_idx] + d_offsets).long()
-        positions[num_tokens:].fill_(0)
+        token_slots = d_slots[d_req_idx]
+        positions = torch.where(real_tok, computed[d_req_idx] + d_offsets, 0).long()
         bs = state.block_size
         block_idx = torch.clamp(positions // bs, max=state.max_num_blocks_per_req - 1)
         blocks = state.block_table[token_slots, block_idx].long()
-        slot_mapping = blocks * bs + positions % bs
-        slot_mapping[num_tokens:].fill_(-1)
-    block_table = state.block_table[d_slots]
-    block_table[num_reqs:].fill_(0)
+        slot_mapping = torch.where(real_tok, blocks * bs + positions % bs, -1)
+    block_table = torch.where(real_row[:, None], state.block_table[d_slots], 0)
+    return InputBatch(plan.num_reqs, reqs_p, plan.num_tokens, toks_p, plan.packed,
+                      plan.seq_lens_exact, query_start_loc=d_qsl, seq_lens=seq_lens,
+                      positions=positions, slot_mapping=slot_mapping, block_table=block_table,
+                      req_indices=d_req_idx, token_slots=token_slots, req_slots=d_slots,
+                      num_scheduled=d_sched)
 
-    pending = state.num_pending_drafts_np[sched.req_slots]
-    return InputBatch(
-        num_reqs=num_reqs,
-        num_reqs_padded=reqs_p,
-        num_tokens=num_tokens,
-        num_tokens_padded=toks_p,
-        req_slots_np=slots_np,
-        num_scheduled_tokens_np=sched_np,
-        query_start_loc_np=qsl_np,
-        seq_lens_cpu_upper_bound_np=bound_np,
-        req_indices_np=req_idx_np,
-        seq_lens_exact=not pending.any(),
-        query_start_loc_cpu=torch.from_numpy(qsl_np),
-        seq_lens_cpu_upper_bound=torch.from_numpy(bound_np),
-        query_start_loc=d_qsl,
-        seq_lens=seq_lens,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        block_table=block_table,
-        req_indices=d_req_idx,
-        token_slots=token_slots,
-        req_slots=d_slots[:num_reqs],
-        num_scheduled=d_sched[:num_reqs],
-    )
+
+def prepare_inputs(
+    state: RequestState,
+    sched: SchedulerOutput,
+    num_reqs_padded: int | None = None,
+    num_tokens_padded: int | None = None,
+) -> InputBatch:
+    """Build the padded InputBatch of one step: `plan_batch` then `assemble_batch`.
+
+    Every number that decides a shape comes from CPU arrays; the device
+    receives one packed host-to-device copy and computes the rest. Parameters
+    and errors: see `plan_batch`.
+    """
+    plan = plan_batch(state, sched, num_reqs_padded, num_tokens_padded)
+    return assemble_batch(state, plan, to_device(plan.packed, state.device))

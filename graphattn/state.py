@@ -238,6 +238,29 @@ class RequestState:
                 f"{self.max_model_len}"
             )
 
+    def advance_mirror(self, sched: SchedulerOutput) -> None:
+        """CPU half of `postprocess`: advance the mirror optimistically (numpy only)."""
+        slots = sched.req_slots
+        self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
+        if sched.num_draft_tokens is not None:
+            self.num_pending_drafts_np[slots] += sched.num_draft_tokens
+
+    def advance_device(self, req_slots: torch.Tensor, num_scheduled: torch.Tensor,
+                       num_rejected: torch.Tensor | None = None) -> None:
+        """Device half of `postprocess` (capturable): truth += scheduled - rejected.
+
+        Parameters
+        ----------
+        req_slots : torch.Tensor
+            int [n] on device; padded rows may repeat a slot if they add 0.
+        num_scheduled : torch.Tensor
+            int32 [n] on device (0 in padded rows).
+        num_rejected : torch.Tensor, optional
+            int32 [n] on device.
+        """
+        delta = num_scheduled if num_rejected is None else num_scheduled - num_rejected
+        self.num_computed_tokens.index_add_(0, req_slots.long(), delta.to(torch.int32))
+
     def postprocess(
         self,
         sched: SchedulerOutput,
@@ -256,20 +279,18 @@ class RequestState:
             CPU mirror ignores it (it is device state); `spec_decode` corrects
             the mirror once the counts reach the CPU.
         req_slots, num_scheduled : torch.Tensor, optional
-            Device copies of the schedule (from the InputBatch) to save an H2D copy.
+            Device copies of the schedule (an InputBatch's, padded or not) to
+            save an H2D copy; their first num_reqs rows are used.
         """
-        slots = sched.req_slots
-        self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
-        if sched.num_draft_tokens is not None:
-            self.num_pending_drafts_np[slots] += sched.num_draft_tokens
-        if sched.num_reqs == 0:
+        self.advance_mirror(sched)
+        n = sched.num_reqs
+        if n == 0:
             return
         if req_slots is None:
-            req_slots = to_device(slots.astype(np.int64), self.device)
+            req_slots = to_device(sched.req_slots.astype(np.int64), self.device)
         if num_scheduled is None:
             num_scheduled = to_device(sched.num_scheduled_tokens, self.device)
-        delta = num_scheduled if num_rejected is None else num_scheduled - num_rejected
-        self.num_computed_tokens.index_add_(0, req_slots.long(), delta.to(torch.int32))
+        self.advance_device(req_slots[:n], num_scheduled[:n], num_rejected)
 
     def postprocess_pool(self, sched: SchedulerOutput) -> np.ndarray:
         """Advance after a step of a pooling model (no sampling, no drafts).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,14 +70,21 @@ class _Layer(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    """A small decoder whose attention is graphattn's paged backend.
+    """A small decoder whose attention is a graphattn backend impl (paged by default).
 
     ``forward(inputs, attn_metadata)`` follows `capture.runner.ModelForward`:
     inputs has "input_ids" and "positions" (int64 [T]); returns logits [T, vocab].
     Call `allocate_caches` before the first forward.
+
+    Parameters
+    ----------
+    cfg : TinyConfig, optional
+    impl : object, optional
+        ``impl.forward(q, k, v, (k_cache, v_cache), attn_metadata)``, e.g. a
+        FlexAttentionImpl; default PagedAttentionImpl.
     """
 
-    def __init__(self, cfg: TinyConfig | None = None) -> None:
+    def __init__(self, cfg: TinyConfig | None = None, impl: Any = None) -> None:
         super().__init__()
         self.cfg = cfg or TinyConfig()
         c = self.cfg
@@ -84,7 +92,7 @@ class TinyDecoder(nn.Module):
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
         self.norm = nn.RMSNorm(c.hidden_size)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.impl = PagedAttentionImpl(c.num_heads, c.head_dim, c.num_kv_heads)
+        self.impl = impl or PagedAttentionImpl(c.num_heads, c.head_dim, c.num_kv_heads)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> None:

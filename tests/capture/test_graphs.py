@@ -104,3 +104,18 @@ def test_replay_path_on_meta_device():
     with no_host_sync():
         out, _ = m.replay(GraphKey(4, 4, 16, True), live, 3)
     assert out.shape == (3, 3) and out.device.type == "meta"
+
+
+@pytest.mark.cuda
+def test_pinned_host_inputs_copy_into_static_buffers():
+    m = CUDAGraphManager(toy_forward, "cuda", pad_values={"slot": -1, "qsl": "edge"})
+    m.capture(keys()[:2], make_inputs("cuda"))
+    x = torch.randn(3, 3) + 0.5
+    live = {"x": x.pin_memory(), "slot": torch.tensor([4, 7, 1]).pin_memory(),
+            "qsl": torch.tensor([0, 1, 3], dtype=torch.int32).pin_memory()}
+    with no_host_sync():
+        out, _ = m.replay(GraphKey(4, 4, 16, True), live, 3)
+    torch.testing.assert_close(out.cpu(), x * 2 + 16)
+    with pytest.raises(ValueError, match=r"on cpu, expected torch.float32 \(4, 3\) on cuda:0 "
+                                         r"\(or pinned host memory\)"):
+        m.replay(GraphKey(4, 4, 16, True), {**live, "x": x}, 3)

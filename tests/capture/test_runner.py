@@ -2,32 +2,42 @@ import numpy as np
 import pytest
 import torch
 
+from capture.buckets import LengthBuckets
 from capture.dispatcher import GraphKey
 from capture.graphs import GraphNotCapturedError
 from capture.runner import BucketPolicy, GraphRunner
+from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs, no_host_sync
 
 
-def make_runner(device="cpu", dtype=torch.float64, max_reqs=6, max_len=96, bs=8, **policy):
+def make_runner(device="cpu", dtype=torch.float64, max_reqs=6, max_len=96, bs=8,
+                backend="paged", **policy):
     torch.manual_seed(0)
-    model = TinyDecoder(TinyConfig(vocab_size=128, hidden_size=64)).to(device, dtype)
-    st = RequestState(max_reqs, max_len, bs, device)
-    model.allocate_caches(max_reqs * st.max_num_blocks_per_req, bs)
+    cfg = TinyConfig(vocab_size=128, hidden_size=64)
     pol = BucketPolicy(**{"capture_sizes": (1, 2, 4, 8), "length_boundaries": (32, 64),
                           "mixed_token_sizes": (16, 32), **policy})
-    return model, st, GraphRunner(model, st, policy=pol)
+    st = RequestState(max_reqs, max_len, bs, device)
+    impl = builder = None
+    if backend == "flex":  # compiled on CUDA (128-wide mask tiles), reference on CPU
+        impl = FlexAttentionImpl(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads)
+        builder = FlexAttentionBuilder(bs, LengthBuckets(max_len, pol.length_boundaries),
+                                       mask_block_size=128 if device == "cuda" else 16)
+    model = TinyDecoder(cfg, impl).to(device, dtype)
+    model.allocate_caches(max_reqs * st.max_num_blocks_per_req, bs)
+    return model, st, GraphRunner(model, st, backend, pol, builder=builder)
 
 
-def drive(model, st, runner, steps, rng, tol, check_every=1):
+def drive(model, st, runner, steps, rng, tol, check_every=1, max_prompt=30, max_chunk=24):
     """Random joins, chunked prefills and decodes; logits checked against a dense forward."""
     seqs: dict[int, list[int]] = {}
     prompts: dict[int, int] = {}
     next_id, keys, graph_steps = 0, set(), 0
+    runner.padded_eager_steps = 0
     for step in range(steps):
         while st.num_active < st.max_num_reqs and rng.random() < 0.5:
-            p = rng.integers(0, 128, int(rng.integers(2, 30)))
+            p = rng.integers(0, 128, int(rng.integers(2, max_prompt)))
             slot = runner.add_request(f"r{next_id}", p)
             next_id += 1
             seqs[slot], prompts[slot] = list(p), len(p)
@@ -40,13 +50,14 @@ def drive(model, st, runner, steps, rng, tol, check_every=1):
         if slots.size == 0:
             continue
         left = np.array([prompts[s] - st.num_computed_tokens_np[s] for s in slots])
-        chunk = np.where(left > 0, np.minimum(left, rng.integers(1, 24, slots.size)), 1)
+        chunk = np.where(left > 0, np.minimum(left, rng.integers(1, max_chunk, slots.size)), 1)
         sched = SchedulerOutput(slots, chunk)
         with no_host_sync():
             out = runner.step(sched)
         keys.add(out.key)
-        graph_steps += out.key is not None
-        if step % check_every == 0 or out.key is not None:
+        graph_steps += out.replayed
+        runner.padded_eager_steps += out.key is not None and not out.replayed
+        if step % check_every == 0 or out.replayed:
             logits = out.logits.double().cpu()
             for j, s in enumerate(slots):
                 n = int(st.num_computed_tokens_np[s])
@@ -60,8 +71,9 @@ def drive(model, st, runner, steps, rng, tol, check_every=1):
     return keys, graph_steps
 
 
-def test_tiny_decoder_matches_dense_reference_on_cpu():
-    model, st, runner = make_runner()
+@pytest.mark.parametrize("backend", ["paged", "flex"])
+def test_tiny_decoder_matches_dense_reference_on_cpu(backend):
+    model, st, runner = make_runner(backend=backend)
     report = runner.capture()
     assert report.num_graphs == (4 + 2) * 3
     keys, graph_steps = drive(model, st, runner, 40, np.random.default_rng(0),
@@ -82,6 +94,35 @@ def test_zero_host_syncs_per_step_and_dummy_run():
             out = runner.step(SchedulerOutput(np.array([0, 1]), np.array([1, 1])))
             runner.dummy_run(GraphKey(8, 8, 32, True))
     assert c.count == 0 and out.key == GraphKey(2, 2, 32, True)
+
+
+def test_dummy_run_changes_no_state():
+    """All rows padded: slot -1 writes go to the sink, sampled tokens to the spare
+    column, the device truth advances by 0."""
+    model, st, runner = make_runner()
+    runner.capture()
+    runner.add_request("a", [1, 2, 3])
+    runner.step(SchedulerOutput(np.array([0]), np.array([3])))
+    before = ([c[:-1].clone() for pair in model.caches for c in pair],
+              runner.token_ids[:, :-1].clone(), st.num_computed_tokens.clone())
+    with no_host_sync():
+        for key in runner.graphs.keys:
+            runner.dummy_run(key)
+    after = ([c[:-1] for pair in model.caches for c in pair], runner.token_ids[:, :-1],
+             st.num_computed_tokens)
+    for b, a in zip(before[0], after[0], strict=True):
+        assert torch.equal(b, a)
+    assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+    assert st.num_computed_tokens_np[0] == 3
+
+
+def test_uncaptured_key_runs_eager_at_its_padded_shapes():
+    model, st, runner = make_runner(length_boundaries=(16, 64))
+    runner.capture([k for k in runner.dispatcher.all_keys() if k.max_len_bucket != 16])
+    keys, graph_steps = drive(model, st, runner, 40, np.random.default_rng(3),
+                              dict(rtol=1e-9, atol=1e-9))
+    assert graph_steps > 5 and runner.padded_eager_steps > 0
+    assert runner.graphs.num_eager == runner.padded_eager_steps
 
 
 def test_missing_graph_error_and_bad_config():
@@ -119,6 +160,23 @@ def test_cuda_graphs_1000_random_steps_match_eager():
     keys, graph_steps = drive(model, st, runner, 1000, np.random.default_rng(1),
                               dict(rtol=2e-3, atol=2e-3), check_every=10)
     assert graph_steps > 500 and len(keys) > 5
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_flex_runner_matches_dense_reference():
+    """Compiled flex captured per key, block masks built inside the graph; every step
+    fits a key (<= 16 tokens, lengths <= 64), so no eager step compiles a new shape."""
+    model, st, runner = make_runner("cuda", torch.float32, max_reqs=4, max_len=64,
+                                    backend="flex", capture_sizes=(2, 4),
+                                    length_boundaries=(32,), mixed_token_sizes=(16,))
+    report = runner.capture()
+    assert report.num_graphs == 6
+    compiles = model.impl.compiler.num_compiles
+    model.impl.compiler.freeze()  # steady state: a new shape would raise RecompileError
+    keys, graph_steps = drive(model, st, runner, 150, np.random.default_rng(2),
+                              dict(rtol=2e-3, atol=2e-3), max_prompt=14, max_chunk=5)
+    assert None not in keys and graph_steps > 100
+    assert model.impl.compiler.num_compiles == compiles
 
 
 def test_whole_runner_step_on_meta_device():

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
+import torch
 
-from graphattn.batch import prepare_inputs
+from graphattn.batch import BatchPlan, assemble_batch, plan_batch, prepare_inputs
 from graphattn.state import SchedulerOutput
 from graphattn.sync import no_host_sync
 from tests.helpers import two_request_batch, two_request_state
@@ -19,7 +20,7 @@ def test_hand_computed_batch():
     assert b.block_table[:, :3].tolist() == [[2, 3, 0], [5, 9, 0], [0, 0, 0], [0, 0, 0]]
     assert b.query_start_loc.tolist() == [0, 3, 9, 9, 9]
     assert (b.max_query_len, b.max_seq_len, b.seq_lens_exact) == (6, 7, True)
-    assert b.req_slots.tolist() == [1, 0] and b.num_scheduled.tolist() == [3, 6]
+    assert b.req_slots.tolist() == [1, 0, 0, 0] and b.num_scheduled.tolist() == [3, 6, 0, 0]
 
 
 def test_unpadded_default():
@@ -70,3 +71,36 @@ def test_largest_bound_is_vectorized_np_add():
     assert b.seq_lens_cpu_upper_bound_np.tolist() == [23]
     assert b.seq_lens.tolist() == [3]  # truth from the device
     assert not b.seq_lens_exact
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_device_half_reads_padded_sizes_only(device):
+    """What a captured graph relies on: the device half recorded for a dummy plan
+    gives the live batch's tensors when fed the live packed buffer."""
+    st = two_request_state(device)
+    sched = SchedulerOutput(np.array([1, 0]), np.array([3, 6]))
+    empty = SchedulerOutput(np.array([], np.int32), np.array([], np.int32))
+    live, dummy = plan_batch(st, sched, 4, 12), plan_batch(st, empty, 4, 12)
+    with no_host_sync():
+        got = assemble_batch(st, dummy, live.packed.to(device))
+        want = prepare_inputs(st, sched, 4, 12)
+    assert got.num_reqs == 0  # the CPU fields are the dummy plan's
+    for name in ("query_start_loc", "seq_lens", "positions", "slot_mapping", "block_table",
+                 "req_indices", "token_slots", "req_slots", "num_scheduled"):
+        t, ref = getattr(got, name), getattr(want, name)
+        assert t.shape == ref.shape and t.dtype == ref.dtype, name
+        if device == "cpu":
+            assert torch.equal(t, ref), name
+
+
+def test_plan_is_cpu_only_and_validated():
+    st = two_request_state()
+    plan = plan_batch(st, SchedulerOutput(np.array([1, 0]), np.array([3, 6])), 4, 12)
+    assert plan.packed.device.type == "cpu" and plan.packed.dtype == torch.int32
+    assert plan.token_offsets_np.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 0, 0]
+    assert (plan.max_query_len, plan.max_seq_len) == (6, 7)
+    with pytest.raises(ValueError, match=r"packed is torch.int32 \(5,\), expected torch.int32 "
+                                         r"\(41,\)"):
+        BatchPlan(2, 4, 9, 12, torch.zeros(5, dtype=torch.int32), True)
+    with pytest.raises(ValueError, match="num_tokens = 13, expected in"):
+        BatchPlan(2, 4, 13, 12, plan.packed, True)

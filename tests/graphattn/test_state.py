@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from graphattn.state import RequestState, SchedulerOutput
+from graphattn.sync import no_host_sync
 
 
 def make_state(**kw):
@@ -94,6 +95,26 @@ def test_postprocess_advances_mirror_and_device():
     assert st.num_computed_tokens_np[1] == 6
     assert st.num_computed_tokens[1].item() == 4
     assert st.num_pending_drafts_np[1] == 2
+
+
+def test_mirror_and_device_halves_and_padded_device_rows():
+    st = make_state()
+    st.add_request("a", 10, [0, 1, 2])
+    st.add_request("b", 3, [4])
+    sched = SchedulerOutput(np.array([1, 0]), np.array([3, 8]), np.array([2, 0]))
+    st.advance_mirror(sched)
+    assert st.num_computed_tokens_np[:2].tolist() == [8, 3]
+    assert st.num_pending_drafts_np[:2].tolist() == [0, 2]
+    assert st.num_computed_tokens[:2].tolist() == [0, 0]  # the device is untouched
+    # padded rows (slot 0, 0 scheduled) add nothing; with no_host_sync: no host read
+    with no_host_sync():
+        st.advance_device(torch.tensor([1, 0, 0, 0]), torch.tensor([3, 8, 0, 0], dtype=torch.int32),
+                          torch.tensor([1, 0, 0, 0], dtype=torch.int32))
+    assert st.num_computed_tokens[:2].tolist() == [8, 2]
+    # postprocess takes an InputBatch's padded device rows and uses the first num_reqs
+    st.postprocess(SchedulerOutput(np.array([0]), np.array([1])),
+                   req_slots=torch.tensor([0, 0, 0]), num_scheduled=torch.tensor([1, 0, 0]))
+    assert st.num_computed_tokens[:2].tolist() == [9, 2]
 
 
 def test_postprocess_pool_reports_finished_prompts():
