@@ -15,11 +15,8 @@ from graphattn.backends.sparse_indexer import SparseIndexerBuilder, SparseIndexe
 
 register_backend(AttentionBackendEnum.PAGED, BackendSpec(
     PagedAttentionBuilder, PagedAttentionImpl, CaptureSupport.ALWAYS))
-# Flex is not captured: inside CUDA graph capture, flex_attention's own call path copies
-# pageable host memory to the device (torch 2.11, compiled or not, and also with the block
-# mask built outside the graph as the builder does now). The dispatcher runs flex eager.
 register_backend(AttentionBackendEnum.FLEX, BackendSpec(
-    FlexAttentionBuilder, FlexAttentionImpl, CaptureSupport.NEVER))
+    FlexAttentionBuilder, FlexAttentionImpl, CaptureSupport.ALWAYS))
 register_backend(AttentionBackendEnum.MLA, BackendSpec(
     MLABuilder, MLAImpl, CaptureSupport.UNIFORM_BATCH))
 register_backend(AttentionBackendEnum.SPARSE_INDEXER, BackendSpec(

@@ -4,11 +4,14 @@ The gathered KV length is the *bucket* of the upper bound (never the live
 length), so one compiled flex kernel serves every batch of a bucket; the
 mask itself reads the true lengths on the device.
 
-The builder runs create_block_mask (device ops, no host read) outside any
-graph: it copies pageable host memory, which CUDA graph capture refuses. The
-mask's block tensors and the mask_mod's per-token arrays are metadata
-tensors, so a captured graph reads them from its static buffers and rebuilds
-the BlockMask with ``BlockMask.from_kv_blocks`` (no device work).
+The builder computes the BlockMask's block tensors itself with a few
+fixed-shape device ops (`block_mask_tensors`), the same tensors
+create_block_mask gives for this mask but capturable: create_block_mask
+copies pageable host memory, which CUDA graph capture refuses. The impl
+rebuilds the BlockMask from them with ``BlockMask.from_kv_blocks`` (no device
+work) and calls flex_attention compiled through `capture.compile.BucketCompiler`
+(one compile per shape, loud instead of silently eager past dynamo's
+recompile limit, whose eager fallback cannot be captured either).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import ClassVar
 import torch
 from einops import rearrange
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from capture.buckets import LengthBuckets
+from capture.compile import BucketCompiler
 from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
     block_count,
@@ -35,7 +39,8 @@ from graphattn.backends.paged import PagedTensors, check_key_fits, paged_tensors
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.sync import opaque_region
 
-__all__ = ["FlexAttentionBuilder", "FlexAttentionImpl", "FlexAttentionMetadata"]
+__all__ = ["FlexAttentionBuilder", "FlexAttentionImpl", "FlexAttentionMetadata",
+           "block_mask_tensors"]
 
 
 @dataclass(slots=True)
@@ -83,6 +88,51 @@ def _mask_mod(req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, kv_per_
     return mask_mod
 
 
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block counts [1, 1, nq] and indices [1, 1, nq, nk] (present blocks first, ascending)."""
+    dense = dense.to(torch.int32)
+    num = dense.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
+def block_mask_tensors(req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+                       kv_per_row: int, kv_len: int,
+                       block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tensors of the paged flex mask, from fixed-shape device ops (capturable).
+
+    Query q sees key positions ``req[q] * kv_per_row .. req[q] * kv_per_row +
+    pos[q]`` when ``valid[q]``: the mask of `_mask_mod`. The result equals
+    create_block_mask's for that mask_mod with ``BLOCK_SIZE=block``.
+
+    Parameters
+    ----------
+    req, pos : torch.Tensor
+        int64 [q_len]: row and position of each query (q_len a multiple of block).
+    valid : torch.Tensor
+        bool [q_len].
+    kv_per_row, kv_len, block : int
+        Gathered positions per row, the KV axis (a multiple of block), the tile.
+
+    Returns
+    -------
+    kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices : torch.Tensor
+        int32 [1, 1, q_len / block] and [1, 1, q_len / block, kv_len / block]:
+        partial blocks (the mask_mod decides) and full blocks (all visible).
+    """
+    q_len = req.shape[0]
+    if q_len % block or kv_len % block:
+        raise ValueError(f"q_len {q_len} and kv_len {kv_len} must be multiples of {block}")
+    lo = req * kv_per_row
+    hi = lo + pos.clamp(max=kv_per_row - 1)
+    first = torch.arange(0, kv_len, block, device=req.device)
+    last = first + block - 1
+    lo, hi, ok = lo[:, None], hi[:, None], valid[:, None]
+    touch = (ok & (lo <= last) & (hi >= first)).view(q_len // block, block, -1).any(1)
+    full = (ok & (lo <= first) & (hi >= last)).view(q_len // block, block, -1).all(1)
+    return (*_ordered(touch & ~full), *_ordered(full))
+
+
 _FROM_KV_KWARGS = (
     {"compute_q_blocks": False}
     if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
@@ -90,7 +140,7 @@ _FROM_KV_KWARGS = (
 
 
 class FlexAttentionBuilder:
-    """Plans flex metadata and builds its block mask (device ops, outside graphs).
+    """Plans flex metadata from CPU numbers and builds its block mask (capturable device ops).
 
     Parameters
     ----------
@@ -132,14 +182,13 @@ class FlexAttentionBuilder:
         req = nn.functional.pad(req, (0, q_len - t), value=-1)
         pos = nn.functional.pad(pos, (0, q_len - t))
         valid = nn.functional.pad(valid, (0, q_len - t))
-        bm = create_block_mask(_mask_mod(req, pos, valid, kv_per_row), None, None, q_len, kv_len,
-                               device=req.device, BLOCK_SIZE=blk)
+        kv_num, kv_idx, full_num, full_idx = block_mask_tensors(req, pos, valid, kv_per_row,
+                                                                kv_len, blk)
         return FlexAttentionMetadata(
             max_len=max_len, num_kv_blocks=nb, mask_block_size=blk, q_len=q_len, kv_len=kv_len,
-            mask_req=req, mask_pos=pos, mask_valid=valid, kv_num_blocks=bm.kv_num_blocks,
-            kv_indices=bm.kv_indices, full_kv_num_blocks=bm.full_kv_num_blocks,
-            full_kv_indices=bm.full_kv_indices, cache_block_size=self.block_size,
-            **paged_tensors(common))
+            mask_req=req, mask_pos=pos, mask_valid=valid, kv_num_blocks=kv_num,
+            kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+            cache_block_size=self.block_size, **paged_tensors(common))
 
 
 class FlexAttentionImpl:
@@ -150,29 +199,44 @@ class FlexAttentionImpl:
     num_heads, head_dim, num_kv_heads : int
     compile : bool, optional
         torch.compile flex_attention (default: on CUDA only; off elsewhere, where
-        the unfused reference implementation runs).
+        the unfused reference implementation runs). Uncompiled flex cannot be
+        captured in a CUDA graph: its unfused path copies a pageable host scalar.
+    max_compiles : int
+        Shapes compiled at most (about one per graph key); more raise.
+
+    Attributes
+    ----------
+    compiler : BucketCompiler or None
+        The compiled flex_attention, once first used (its `num_compiles`).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
-                 scale: float | None = None, compile: bool | None = None) -> None:
+                 scale: float | None = None, compile: bool | None = None,
+                 max_compiles: int = 256) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.compile = compile
-        self._compiled = None
+        self.max_compiles = max_compiles
+        self.compiler: BucketCompiler | None = None
 
     def _flex(self, device: torch.device, mask_block_size: int):
         use = self.compile if self.compile is not None else device.type == "cuda"
         if not use:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(
+                    "uncompiled flex_attention cannot be captured in a CUDA graph (its unfused "
+                    "path copies a pageable host scalar); use compile=True"
+                )
             return flex_attention
         if device.type == "cuda" and mask_block_size % 128:
             raise ValueError(
                 f"mask_block_size = {mask_block_size}: compiled flex_attention on CUDA "
                 "needs a multiple of 128 (its Triton kernel has no smaller tile)"
             )
-        if self._compiled is None:
-            self._compiled = torch.compile(flex_attention, dynamic=False)
-        return self._compiled
+        if self.compiler is None:
+            self.compiler = BucketCompiler(flex_attention, max_compiles=self.max_compiles)
+        return self.compiler
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from capture.buckets import LengthBuckets
-from capture.dispatcher import CaptureSupport, GraphDispatcher
-from capture.graphs import CUDAGraphManager
-from capture.runner import PAD_VALUES
+from capture.dispatcher import GraphDispatcher
+from capture.graphs import PAD_VALUES, CUDAGraphManager
 from graphattn.backends import AttentionBackendEnum, get_backend
+from graphattn.backends.flex import FlexAttentionImpl
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.batch import prepare_inputs
 from graphattn.metadata import build_common_metadata
@@ -102,19 +102,11 @@ CASES = [(b, spec) for b in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FL
          for spec in (0, 2)] + [(AttentionBackendEnum.CROSS, 0), ("flex_uncompiled", 0)]
 
 
-FLEX_CUDA = ("flex_attention copies pageable host memory inside CUDA graph capture (torch 2.11, "
-             "compiled or not, block mask built outside the graph); flex is registered NEVER")
-
-
 @pytest.mark.parametrize("name, spec", CASES, ids=lambda c: getattr(c, "value", str(c)))
-def test_capture_replay_matches_eager(name, spec, device, request):
+def test_capture_replay_matches_eager(name, spec, device):
     num_slots = 6
     case = Case(name, device, num_slots, spec)
     name = case.name
-    if name == AttentionBackendEnum.FLEX:
-        if device == "cuda":  # runs, and must fail until torch lets flex be captured
-            request.applymarker(pytest.mark.xfail(strict=True, reason=FLEX_CUDA))
-        case.support = CaptureSupport.ALWAYS  # registered NEVER; the semantics still hold
     st = RequestState(num_slots, MAXLEN, BS, device)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
@@ -146,6 +138,10 @@ def test_capture_replay_matches_eager(name, spec, device, request):
         return case.run(inputs, case.caches, meta)
 
     mgr = CUDAGraphManager(forward, device, pad_values=PAD_VALUES)
+    if device == "cuda" and isinstance(case.impl, FlexAttentionImpl) and case.impl.compile is False:
+        with pytest.raises(ValueError, match="uncompiled flex_attention cannot be captured"):
+            mgr.capture(disp.all_keys()[:1], make_inputs)
+        return
     report = mgr.capture(disp.all_keys(), make_inputs)
     assert report.num_graphs == len(disp.all_keys()) == 9
     seen_keys, over = set(), 0

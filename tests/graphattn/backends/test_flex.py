@@ -2,9 +2,15 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from capture.buckets import LengthBuckets
-from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
+from graphattn.backends.flex import (
+    FlexAttentionBuilder,
+    FlexAttentionImpl,
+    _mask_mod,
+    block_mask_tensors,
+)
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.sync import no_host_sync
@@ -58,3 +64,42 @@ def test_compiled_cuda_needs_128_blocks():
     impl = FlexAttentionImpl(H, D, HKV, compile=True)
     with pytest.raises(ValueError, match="mask_block_size = 32: compiled flex_attention on CUDA"):
         impl._flex(torch.device("cuda"), 32)
+
+
+@pytest.mark.parametrize("seed, block", [(0, 16), (1, 32), (2, 8)])
+def test_block_mask_tensors_equal_create_block_mask(seed, block):
+    """Our fixed-shape block tensors are create_block_mask's for the same mask_mod."""
+    g = torch.Generator().manual_seed(seed)
+    rows, kv_per_row = 5, 2 * block + 8
+    t = 3 * block + 5
+    q_len, kv_len = 4 * block, -(-rows * kv_per_row // block) * block
+    req = torch.randint(0, rows, (q_len,), generator=g).sort().values
+    pos = torch.randint(0, kv_per_row + 4, (q_len,), generator=g)  # some past the row: clamped
+    valid = torch.arange(q_len) < t
+    req[t:], pos[t:] = -1, 0
+    pos[:block] = kv_per_row - 1  # a whole tile of full rows: full blocks appear
+    req[:block] = 0
+    with no_host_sync():
+        got = block_mask_tensors(req, pos, valid, kv_per_row, kv_len, block)
+    want = create_block_mask(_mask_mod(req, pos.clamp(max=kv_per_row - 1), valid, kv_per_row),
+                             None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=block)
+    assert int(got[2].sum()) > 0 and int(got[0].sum()) > 0
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    for name, ours in zip(names, got, strict=True):
+        theirs = getattr(want, name)
+        assert ours.dtype == theirs.dtype == torch.int32 and ours.shape == theirs.shape, name
+    torch.testing.assert_close(got[0], want.kv_num_blocks)
+    torch.testing.assert_close(got[2], want.full_kv_num_blocks)
+    for num, ours, theirs in ((got[0], got[1], want.kv_indices),
+                              (got[2], got[3], want.full_kv_indices)):
+        for i, n in enumerate(num.flatten().tolist()):  # the listed blocks; the tail is unused
+            assert ours[0, 0, i, :n].tolist() == theirs[0, 0, i, :n].tolist()
+    with pytest.raises(ValueError, match="multiples of"):
+        block_mask_tensors(req, pos, valid, kv_per_row, kv_len + 1, block)
+
+
+def test_block_mask_tensors_on_meta():
+    req = torch.zeros(32, dtype=torch.long, device="meta")
+    with no_host_sync():
+        num, idx, fnum, fidx = block_mask_tensors(req, req, req > 0, 16, 64, 16)
+    assert num.shape == (1, 1, 2) and idx.shape == (1, 1, 2, 4) and fidx.device.type == "meta"

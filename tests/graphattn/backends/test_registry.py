@@ -13,7 +13,7 @@ def test_every_backend_registered():
     assert (spec.builder_cls, spec.impl_cls) == (PagedAttentionBuilder, PagedAttentionImpl)
     assert get_backend("cross").capture_support == CaptureSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert get_backend(AttentionBackendEnum.MLA).capture_support == CaptureSupport.UNIFORM_BATCH
-    assert get_backend("flex").capture_support == CaptureSupport.NEVER
+    assert get_backend("flex").capture_support == CaptureSupport.ALWAYS
 
 
 def test_unknown_backend():
