@@ -17,8 +17,9 @@ import torch
 
 from bench import graph_replay, host_overhead, profiling_overhead, scenarios
 
-COLUMNS = ("scenario", "mode", "batch", "us_step", "syncs_per_step", "graphs", "capture_s",
-           "pool_mb", "token_waste", "len_waste", "gpu_idle_frac")
+COLUMNS = ("scenario", "mode", "batch", "us_step", "host_us", "host_us_p99", "vs_floor",
+           "syncs_per_step", "graphs", "capture_s", "pool_mb", "token_waste", "len_waste",
+           "gpu_idle_frac")
 
 
 def _fmt(v: object) -> str:
@@ -70,7 +71,8 @@ def main() -> None:
 
     jobs = [("host_overhead", lambda: [{"scenario": "host_overhead", "mode": "prepare+build",
                                         "batch": r["num_reqs"], "us_step": r["total_us"],
-                                        "prepare_us": r["prepare_us"], "build_us": r["build_us"]}
+                                        "prepare_us": r["prepare_us"], "build_us": r["build_us"],
+                                        "plan_us": r["plan_us"]}
                                        for r in host_overhead.run("cpu")]),
             ("ubatch_split", lambda: scenarios.ubatch_split("cpu", steps=steps)),
             ("profiling_overhead", profiling_overhead.run)]
@@ -105,8 +107,8 @@ def main() -> None:
     extra = [r for r in rows if "error" in r or "compile_s" in r]
     md = f"{json.dumps(meta)}\n\n{table}\n"
     if extra:
-        md += "\n" + markdown(extra, ("scenario", "mode", "batch", "compile_s",
-                                      "skipped_cudagraphs", "error")) + "\n"
+        md += "\n" + markdown(extra, ("scenario", "mode", "batch", "compile_s", "dynamo_graphs",
+                                      "timed_recompiles", "skipped_cudagraphs", "error")) + "\n"
     (out / "results.md").write_text(md)
     (out / "results.partial.json").unlink(missing_ok=True)
     if cuda:

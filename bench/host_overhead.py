@@ -1,4 +1,6 @@
-"""Microseconds per prepare + build (CPU planning) for 1..4096 requests.
+"""Microseconds per prepare + build (CPU planning) for 1..4096 requests, and of
+plan_batch alone: the host work a replayed graph step keeps (prepare's device
+half and the build run inside the graph).
 
     python -m bench.host_overhead [--device cpu|cuda]
 """
@@ -11,7 +13,7 @@ import time
 import numpy as np
 
 from graphattn.backends.paged import PagedAttentionBuilder
-from graphattn.batch import prepare_inputs
+from graphattn.batch import plan_batch, prepare_inputs
 from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState, SchedulerOutput
 
@@ -30,17 +32,21 @@ def measure(num_reqs: int, device: str = "cpu", iters: int = 200) -> dict[str, f
     builder = PagedAttentionBuilder(16)
     for _ in range(5):
         builder.build(build_common_metadata(prepare_inputs(st, sched)))
-    t_prep = t_build = 0.0
+    t_prep = t_build = t_plan = 0.0
     for _ in range(iters):
         t0 = time.perf_counter()
         batch = prepare_inputs(st, sched)
         t1 = time.perf_counter()
         builder.build(build_common_metadata(batch))
         t2 = time.perf_counter()
+        plan_batch(st, sched)
+        t3 = time.perf_counter()
         t_prep += t1 - t0
         t_build += t2 - t1
+        t_plan += t3 - t2
     return {"num_reqs": num_reqs, "prepare_us": 1e6 * t_prep / iters,
-            "build_us": 1e6 * t_build / iters, "total_us": 1e6 * (t_prep + t_build) / iters}
+            "build_us": 1e6 * t_build / iters, "total_us": 1e6 * (t_prep + t_build) / iters,
+            "plan_us": 1e6 * t_plan / iters}
 
 
 def run(device: str = "cpu", sizes: tuple[int, ...] = SIZES) -> list[dict[str, float]]:
@@ -51,10 +57,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    print(f"{'reqs':>6} {'prepare us':>11} {'build us':>9} {'total us':>9}")
+    print(f"{'reqs':>6} {'prepare us':>11} {'build us':>9} {'total us':>9} {'plan us':>8}")
     for r in run(args.device):
         print(f"{r['num_reqs']:>6} {r['prepare_us']:>11.1f} {r['build_us']:>9.1f} "
-              f"{r['total_us']:>9.1f}")
+              f"{r['total_us']:>9.1f} {r['plan_us']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ def drain(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def us_per_step(fn: Callable[[], object], steps: int, device: str, warmup: int = 5) -> float:
+WARMUP = 5
+
+
+def us_per_step(fn: Callable[[], object], steps: int, device: str, warmup: int = WARMUP) -> float:
     for _ in range(warmup):
         fn()
     drain(device)
