@@ -20,7 +20,7 @@ from graphattn.transfer import staging_buffer, to_device
 __all__ = ["BatchPlan", "InputBatch", "assemble_batch", "plan_batch", "prepare_inputs"]
 
 
-def packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
+def _packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
     """Segment lengths of the packed buffer: slots | scheduled | qsl | bound | req idx | offsets."""
     r, t = num_reqs_padded, num_tokens_padded
     return [r, r, r + 1, r, t, t]
@@ -80,7 +80,7 @@ class BatchPlan:
                 f"num_tokens = {self.num_tokens}, expected in "
                 f"[0, num_tokens_padded={self.num_tokens_padded}]"
             )
-        sizes = packed_sizes(self.num_reqs_padded, self.num_tokens_padded)
+        sizes = _packed_sizes(self.num_reqs_padded, self.num_tokens_padded)
         if self.packed.shape != (sum(sizes),) or self.packed.dtype != torch.int32:
             raise ValueError(
                 f"packed is {self.packed.dtype} {tuple(self.packed.shape)}, expected "
@@ -171,7 +171,7 @@ def plan_batch(
         raise ValueError(f"num_reqs_padded = {reqs_p} is below num_reqs = {num_reqs}")
     if toks_p < num_tokens:
         raise ValueError(f"num_tokens_padded = {toks_p} is below num_tokens = {num_tokens}")
-    packed = staging_buffer(sum(packed_sizes(reqs_p, toks_p)), torch.int32, state.device)
+    packed = staging_buffer(sum(_packed_sizes(reqs_p, toks_p)), torch.int32, state.device)
     plan = BatchPlan(num_reqs, reqs_p, num_tokens, toks_p, packed,
                      seq_lens_exact=not state.num_pending_drafts_np[sched.req_slots].any())
     plan.req_slots_np[:num_reqs] = sched.req_slots
@@ -208,7 +208,7 @@ def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor) -
     """
     reqs_p, toks_p = plan.num_reqs_padded, plan.num_tokens_padded
     d_slots, d_sched, d_qsl, _, d_req_idx, d_offsets = torch.split(
-        packed, packed_sizes(reqs_p, toks_p))
+        packed, _packed_sizes(reqs_p, toks_p))
     d_slots = d_slots.long()
     d_req_idx = d_req_idx.long()
     real_row = d_sched > 0
