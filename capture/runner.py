@@ -202,21 +202,22 @@ class GraphRunner:
         return logits, sampled
 
     def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
-        if key not in self._plans:  # a key run eagerly without a capture
-            self._plans[key] = self._dummy_plan(key)
         packed = inputs["packed"].to(self.state.device, non_blocking=True)  # static: no-op
-        return self._device_step(packed, self._plans[key], key)
+        return self._device_step(packed, self._dummy_plan(key), key)
 
     def _dummy_plan(self, key: GraphKey) -> BatchPlan:
-        empty = SchedulerOutput(np.array([], np.int32), np.array([], np.int32))
-        return plan_batch(self.state, empty, key.num_reqs_padded, key.num_tokens_padded)
+        """The all-padded plan of `key` (cached; its packed buffer is never written)."""
+        if key not in self._plans:
+            empty = SchedulerOutput(np.array([], np.int32), np.array([], np.int32))
+            self._plans[key] = plan_batch(self.state, empty, key.num_reqs_padded,
+                                          key.num_tokens_padded)
+        return self._plans[key]
 
     def capture(self, keys: Sequence[GraphKey] | None = None) -> CaptureReport:
         """Capture every key of the policy (or `keys`), largest first, from dummy runs."""
 
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
-            self._plans[key] = plan = self._dummy_plan(key)
-            return {"packed": to_device(plan.packed, self.state.device)}
+            return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
 
         with self.profiler.range("capture"):
             return self.graphs.capture(self.dispatcher.all_keys() if keys is None else keys,
