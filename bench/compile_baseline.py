@@ -24,7 +24,7 @@ import torch
 from bench.graph_replay import BOUNDARIES, MAX_LEN
 from bench.setup import fill_requests, make_setup, set_lengths
 from bench.timing import WARMUP, us_per_step
-from capture.runner import BucketPolicy, GraphRunner
+from graphattn.capture.runner import BucketPolicy, GraphRunner
 from graphattn.state import SchedulerOutput
 
 

@@ -17,7 +17,7 @@ import torch
 
 from bench.setup import Setup, fill_requests, make_setup, set_lengths
 from bench.timing import WARMUP, syncs_per_step, us_per_step
-from capture.runner import BucketPolicy
+from graphattn.capture.runner import BucketPolicy
 from graphattn.state import SchedulerOutput
 
 MAX_LEN = 1024

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from capture.profiling import StageProfiler
+from graphattn.capture.profiling import StageProfiler
 
 
 def ns_per_range(prof: StageProfiler, n: int = 20000) -> float:

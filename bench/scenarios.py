@@ -9,9 +9,9 @@ import numpy as np
 
 from bench.setup import fill_requests, make_setup, set_lengths
 from bench.timing import drain, syncs_per_step
-from capture.runner import BucketPolicy
 from graphattn.backends.paged import PagedAttentionBuilder
 from graphattn.batch import prepare_inputs
+from graphattn.capture.runner import BucketPolicy
 from graphattn.metadata import build_common_metadata
 from graphattn.spec_decode import RejectionFeedback, apply_rejections
 from graphattn.state import SchedulerOutput

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from capture.runner import BucketPolicy, GraphRunner
+from graphattn.capture.runner import BucketPolicy, GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
 

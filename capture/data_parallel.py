@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from capture.dispatcher import GraphDispatcher, GraphKey
+from graphattn.capture.dispatcher import GraphDispatcher
+from graphattn.keys import BatchShape, GraphKey
 
 __all__ = ["BatchShape", "agree_on_shape", "dispatch_across_ranks"]
-
-
-@dataclass(frozen=True, slots=True)
-class BatchShape:
-    """The CPU numbers that pick a graph key.
-
-    Attributes
-    ----------
-    num_reqs, num_tokens, max_seq_len : int
-        Real sizes and the upper-bound max length.
-    uniform_decode : bool
-    """
-
-    num_reqs: int
-    num_tokens: int
-    max_seq_len: int
-    uniform_decode: bool
-
-    def __post_init__(self) -> None:
-        if min(self.num_reqs, self.num_tokens, self.max_seq_len) < 0:
-            raise ValueError(f"BatchShape fields must be >= 0, got {self}")
 
 
 def agree_on_shape(shape: BatchShape, group: dist.ProcessGroup | None = None) -> BatchShape:
@@ -57,8 +35,4 @@ def dispatch_across_ranks(
     agreed shape fits no graph, all run eager (None).
     """
     agreed = agree_on_shape(shape, group)
-    uniform = agreed.uniform_decode and agreed.num_tokens == (
-        agreed.num_reqs * dispatcher.decode_query_len
-    )
-    key = dispatcher.dispatch(agreed.num_reqs, agreed.num_tokens, agreed.max_seq_len, uniform)
-    return key, agreed
+    return dispatcher.dispatch_shape(agreed), agreed

@@ -2,67 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from capture.buckets import LengthBuckets, pad_to_capture_size, validate_sizes
+from graphattn.buckets import BucketPolicy, LengthBuckets, pad_to_capture_size, validate_sizes
+from graphattn.keys import BatchShape, CaptureSupport, GraphKey
 
 __all__ = ["CaptureSupport", "GraphDispatcher", "GraphKey"]
-
-
-class CaptureSupport(enum.IntEnum):
-    """Which batches a backend lets run inside a captured graph."""
-
-    NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    UNIFORM_BATCH = 2
-    ALWAYS = 3
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class GraphKey:
-    """The shape a captured graph was recorded for.
-
-    Attributes
-    ----------
-    num_reqs_padded : int
-        Rows (padded rows carry query length 0, seq len 0).
-    num_tokens_padded : int
-    max_len_bucket : int
-        Bucket of the upper-bound max length; sizes length-dependent buffers.
-    uniform_decode : bool
-        Every row has the same query length num_tokens_padded / num_reqs_padded.
-    """
-
-    num_reqs_padded: int
-    num_tokens_padded: int
-    max_len_bucket: int
-    uniform_decode: bool
-
-    def __post_init__(self) -> None:
-        if self.num_reqs_padded < 1 or self.num_tokens_padded < self.num_reqs_padded:
-            raise ValueError(
-                f"GraphKey needs 1 <= num_reqs_padded <= num_tokens_padded, got "
-                f"{self.num_reqs_padded}, {self.num_tokens_padded}"
-            )
-        if self.max_len_bucket < 1:
-            raise ValueError(f"max_len_bucket = {self.max_len_bucket}, expected >= 1")
-        if self.uniform_decode and self.num_tokens_padded % self.num_reqs_padded:
-            raise ValueError(
-                f"uniform key: num_tokens_padded {self.num_tokens_padded} is not a multiple of "
-                f"num_reqs_padded {self.num_reqs_padded}"
-            )
-
-    @property
-    def query_len(self) -> int:
-        """Tokens per row of a uniform key (0 for a mixed key)."""
-        return self.num_tokens_padded // self.num_reqs_padded if self.uniform_decode else 0
-
-    def __str__(self) -> str:
-        kind = f"decode q={self.query_len}" if self.uniform_decode else "mixed"
-        return (f"reqs={self.num_reqs_padded} tokens={self.num_tokens_padded} "
-                f"len<={self.max_len_bucket} {kind}")
 
 
 class GraphDispatcher:
@@ -107,6 +52,19 @@ class GraphDispatcher:
             self.capture_sizes_allowed = capture_support > CaptureSupport.NEVER
         if capture_support < CaptureSupport.ALWAYS:
             self.mixed_token_sizes = ()
+
+    @classmethod
+    def from_policy(cls, policy: BucketPolicy, max_model_len: int,
+                    capture_support: CaptureSupport = CaptureSupport.ALWAYS) -> GraphDispatcher:
+        """The dispatcher of a BucketPolicy for lengths up to `max_model_len`."""
+        return cls(policy.capture_sizes, LengthBuckets(max_model_len, policy.length_boundaries),
+                   policy.decode_query_len, policy.mixed_token_sizes, capture_support)
+
+    def dispatch_shape(self, shape: BatchShape) -> GraphKey | None:
+        """`dispatch` of a BatchShape (a uniform flag for another query length counts as mixed)."""
+        q = self.decode_query_len
+        uniform = shape.uniform_decode and shape.num_tokens == shape.num_reqs * q
+        return self.dispatch(shape.num_reqs, shape.num_tokens, shape.max_seq_len, uniform)
 
     def all_keys(self) -> list[GraphKey]:
         """Every key to capture, largest first."""

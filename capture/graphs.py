@@ -10,17 +10,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from tqdm.auto import tqdm
 
-from capture.dispatcher import GraphKey
+from graphattn.backends.registry import PadValue
+from graphattn.keys import GraphKey
 
-__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward", "PAD_VALUES"]
+__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward"]
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 Forward = Callable[[dict[str, torch.Tensor], GraphKey], Outputs]
-PadValue = int | float | Literal["edge"]
-# Sentinels for attention-metadata buffers: padded tokens write nowhere, padded rows are empty.
-PAD_VALUES: dict[str, PadValue] = {"slot_mapping": -1, "query_start_loc": "edge",
-                                   "cross_slot_mapping": -1}
 
 
 class GraphNotCapturedError(KeyError):
@@ -37,6 +35,11 @@ class CaptureReport:
     Attributes
     ----------
     num_graphs : int
+        Keys captured by this call (CUDA graphs, or eager runs off CUDA).
+    num_skipped : int
+        Keys that already had a graph (a resumed capture).
+    device : str
+        Device type; graphs exist on "cuda" only.
     seconds : float
         Wall time of the whole capture, warm-up included.
     pool_bytes : int
@@ -47,9 +50,19 @@ class CaptureReport:
     """
 
     num_graphs: int = 0
+    num_skipped: int = 0
+    device: str = "cuda"
     seconds: float = 0.0
     pool_bytes: int = 0
     keys: list[GraphKey] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        skipped = f", {self.num_skipped} already captured" if self.num_skipped else ""
+        if self.device != "cuda":
+            return (f"ran {self.num_graphs} keys eagerly: no CUDA graphs on {self.device} "
+                    f"({self.seconds:.2f} s{skipped})")
+        return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s, pool "
+                f"{self.pool_bytes / 2**20:.1f} MiB{skipped}")
 
 
 @dataclass(slots=True)
@@ -141,8 +154,12 @@ class CUDAGraphManager:
         self,
         keys: Iterable[GraphKey],
         make_inputs: Callable[[GraphKey], dict[str, torch.Tensor]],
+        progress: bool = False,
     ) -> CaptureReport:
         """Capture every key, largest first, into the shared pool.
+
+        Keys that already have a graph are skipped, so a capture interrupted by
+        a fault can be resumed by calling this again.
 
         Parameters
         ----------
@@ -151,11 +168,16 @@ class CUDAGraphManager:
             ``make_inputs(key)`` -> dummy inputs of that key's shapes, built
             from CPU numbers only (all rows padded: slot -1, length 0). They
             become the graph's static buffers.
+        progress : bool
+            A tqdm bar over the keys (total shown before the first capture) and
+            the report's one-line summary at the end.
         """
         order = sorted(set(keys), key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
                                                  k.max_len_bucket, k.uniform_decode),
                        reverse=True)
-        report = CaptureReport(keys=order)
+        todo = [k for k in order if k not in self._captured]
+        report = CaptureReport(num_skipped=len(order) - len(todo), device=self.device.type,
+                               keys=todo)
         t0 = time.perf_counter()
         reserved0 = 0
         if self.use_graphs:
@@ -164,10 +186,10 @@ class CUDAGraphManager:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             reserved0 = torch.cuda.memory_reserved(self.device)
-        with _frozen_gc():
-            for key in order:
-                if key in self._captured:
-                    raise ValueError(f"key {key} is already captured")
+        verb = "capture" if self.use_graphs else f"eager on {self.device.type}"
+        with _frozen_gc(), tqdm(todo, desc=f"graphattn {verb}", unit="key",
+                                disable=not progress or not todo, leave=False) as bar:
+            for key in bar:
                 inputs = {k: v.clone() for k, v in make_inputs(key).items()}
                 self._captured[key] = self._capture_one(key, inputs)
                 report.num_graphs += 1
@@ -175,6 +197,8 @@ class CUDAGraphManager:
             torch.cuda.synchronize(self.device)
             report.pool_bytes = self._pool_bytes(reserved0)
         report.seconds = time.perf_counter() - t0
+        if progress:
+            tqdm.write(f"graphattn: {report}")
         return report
 
     def _pool_bytes(self, reserved0: int) -> int:

@@ -2,9 +2,10 @@
 
 Nsight Systems (``nsys profile -t cuda,nvtx``) shows the ranges in domain
 "graphattn"; torch.profiler traces show the same stages as
-``graphattn::<stage> <key>`` record_function events. With no profiler
-recording, a range costs one flag check and an NVTX push/pop, which the NVTX
-library turns into no-ops when no tool is attached.
+``graphattn::<stage> <key>`` record_function events. Ranges go through a
+cached `nvtx.Domain` with one cached event-attributes object per (stage, key),
+so a range costs a dict lookup and a domain push/pop (which the NVTX library
+turns into no-ops when no tool is attached).
 """
 
 from __future__ import annotations
@@ -12,12 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import nvtx
 import torch
-
-try:
-    import nvtx as _nvtx
-except ImportError:  # pragma: no cover - nvtx is a dependency, but keep running without it
-    _nvtx = None
 
 __all__ = ["STAGE_COLORS", "StageProfiler"]
 
@@ -54,9 +51,20 @@ class StageProfiler:
                  torch_labels: bool = True) -> None:
         self.enabled = enabled
         self.domain = domain
-        self.nvtx = _nvtx if (nvtx_ranges and _nvtx is not None) else None
+        self.nvtx = nvtx.get_domain(domain) if nvtx_ranges else None
         self.torch_labels = torch_labels
         self.depth = 0
+        self._attributes: dict[tuple[str, Any], Any] = {}
+
+    def attributes(self, stage: str, key: Any) -> Any:
+        """Cached NVTX event attributes of a (stage, key) range."""
+        try:
+            return self._attributes[(stage, key)]
+        except KeyError:
+            message = stage if key is None else f"{stage} {key}"
+            attr = self.nvtx.get_event_attributes(message=message, color=STAGE_COLORS[stage])
+            self._attributes[(stage, key)] = attr
+            return attr
 
     def range(self, stage: str, key: Any = None) -> contextlib.AbstractContextManager[None]:
         """One stage; `key` (a GraphKey) goes into the message."""
@@ -75,19 +83,19 @@ class _Range:
 
     def __enter__(self) -> None:
         prof = self.prof
-        message = self.stage if self.key is None else f"{self.stage} {self.key}"
         if prof.torch_labels and torch.autograd.profiler._is_profiler_enabled:
+            message = self.stage if self.key is None else f"{self.stage} {self.key}"
             self.label = torch.autograd.profiler.record_function(f"graphattn::{message}")
             self.label.__enter__()
         if prof.nvtx is not None:
-            prof.nvtx.push_range(message, color=STAGE_COLORS[self.stage], domain=prof.domain)
+            prof.nvtx.push_range(prof.attributes(self.stage, self.key))
         prof.depth += 1
 
     def __exit__(self, *exc: object) -> None:
         prof = self.prof
         prof.depth -= 1
         if prof.nvtx is not None:
-            prof.nvtx.pop_range(domain=prof.domain)
+            prof.nvtx.pop_range()
         if self.label is not None:
             self.label.__exit__(None, None, None)
 

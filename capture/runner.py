@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from capture.buckets import LengthBuckets, PaddingStats, default_capture_sizes, validate_sizes
-from capture.dispatcher import GraphDispatcher, GraphKey
-from capture.graphs import CaptureReport, CUDAGraphManager
-from capture.profiling import StageProfiler
-from graphattn.backends import AttentionBackendEnum, get_backend
+from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
 from graphattn.batch import BatchPlan, assemble_batch, plan_batch
+from graphattn.buckets import BucketPolicy, PaddingStats
+from graphattn.capture.dispatcher import GraphDispatcher
+from graphattn.capture.graphs import CaptureReport, CUDAGraphManager
+from graphattn.capture.profiling import StageProfiler
+from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import to_device
@@ -30,35 +31,6 @@ __all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "StepOutput"]
 # forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
 ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
 STATIC_INPUTS = ("input_ids", "positions")
-
-
-@dataclass(frozen=True, slots=True)
-class BucketPolicy:
-    """Which graphs exist.
-
-    Parameters
-    ----------
-    capture_sizes : tuple[int, ...]
-        Padded request counts of uniform-decode graphs.
-    length_boundaries : tuple[int, ...]
-        Length buckets (default powers of two up to max_model_len).
-    mixed_token_sizes : tuple[int, ...]
-        Padded token counts of mixed prefill+decode graphs (empty: eager).
-    decode_query_len : int
-        1 + speculative tokens per decode row.
-    """
-
-    capture_sizes: tuple[int, ...] = field(default_factory=lambda: default_capture_sizes(16))
-    length_boundaries: tuple[int, ...] = ()
-    mixed_token_sizes: tuple[int, ...] = ()
-    decode_query_len: int = 1
-
-    def __post_init__(self) -> None:
-        validate_sizes("capture_sizes", self.capture_sizes)
-        if self.mixed_token_sizes:
-            validate_sizes("mixed_token_sizes", self.mixed_token_sizes)
-        if self.decode_query_len < 1:
-            raise ValueError(f"decode_query_len = {self.decode_query_len}, expected >= 1")
 
 
 @dataclass(slots=True)
@@ -99,13 +71,16 @@ class GraphRunner:
         model owns its KV caches and calls the backend impl with
         `attn_metadata`. `inputs` holds the `static_input_names`.
     state : RequestState
-    backend : AttentionBackendEnum or str
-        Decides the metadata builder and the capture support the dispatcher honours.
-    policy : BucketPolicy
+    backend : str
+        Registered backend name (`graphattn.backends.backend_names()`): its
+        builder factory makes the default builder, and its capture support is
+        what the dispatcher honours.
+    policy : BucketPolicy, optional
+        Which graphs exist (ignored when `dispatcher` is given).
     static_input_names : sequence of str
         Subset of ("input_ids", "positions").
-    builder : object, optional
-        Metadata builder (default: the backend's, built with the block size).
+    builder : AttentionBuilder, optional
+        Default: the backend's factory, given this runner's `BuilderContext`.
         ``builder.build(common, key)`` runs inside the captured step, so with
         a key it must plan from the key and do only capturable device work.
     on_missing : {"eager", "error"}
@@ -113,31 +88,35 @@ class GraphRunner:
         plan as its graph would use), or raises GraphNotCapturedError.
     profiler : StageProfiler, optional
         NVTX / torch.profiler ranges per stage.
+    dispatcher : GraphDispatcher, optional
+        Picks the key of each step (default: one made from `policy` and the
+        backend's capture support).
     """
 
-    def __init__(self, forward: ModelForward, state: RequestState,
-                 backend: AttentionBackendEnum | str = AttentionBackendEnum.PAGED,
+    def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
                  policy: BucketPolicy | None = None,
-                 static_input_names: Sequence[str] = STATIC_INPUTS, builder: Any = None,
-                 on_missing: str = "eager", profiler: StageProfiler | None = None) -> None:
+                 static_input_names: Sequence[str] = STATIC_INPUTS,
+                 builder: AttentionBuilder | None = None, on_missing: str = "eager",
+                 profiler: StageProfiler | None = None,
+                 dispatcher: GraphDispatcher | None = None) -> None:
         bad = set(static_input_names) - set(STATIC_INPUTS)
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
                              f"{STATIC_INPUTS}")
+        spec = get_backend(backend)
         self.forward = forward
         self.state = state
         self.policy = policy or BucketPolicy()
         self.static_input_names = tuple(static_input_names)
-        spec = get_backend(backend)
-        if builder is None:
-            if AttentionBackendEnum(backend) != AttentionBackendEnum.PAGED:
-                raise ValueError(f"backend {AttentionBackendEnum(backend).value!r} needs builder=")
-            builder = spec.builder_cls(state.block_size, self.policy.decode_query_len)
-        self.builder = builder
-        self.dispatcher = GraphDispatcher(
-            self.policy.capture_sizes,
-            LengthBuckets(state.max_model_len, self.policy.length_boundaries),
-            self.policy.decode_query_len, self.policy.mixed_token_sizes, spec.capture_support)
+        if dispatcher is None:
+            dispatcher = GraphDispatcher.from_policy(self.policy, state.max_model_len,
+                                                     spec.capture_support)
+        self.dispatcher = dispatcher
+        ctx = BuilderContext(state.block_size, dispatcher.decode_query_len, state.max_model_len,
+                             dispatcher.length_buckets, state.device)
+        self.builder = spec.make_builder(ctx) if builder is None else builder
+        if not isinstance(self.builder, AttentionBuilder):
+            raise TypeError(f"builder {type(self.builder).__name__} has no build(common, key)")
         self.graphs = CUDAGraphManager(self._graph_forward, state.device, on_missing=on_missing)
         self.profiler = profiler or StageProfiler(enabled=False)
         self.padding = PaddingStats()
@@ -161,11 +140,6 @@ class GraphRunner:
         self.token_ids[slot, : ids.shape[0]] = to_device(ids, st.device)
         self.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
         return slot
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Blocks addressed by the default allocation (excluding the sink)."""
-        return self.state.max_num_reqs * self.state.max_num_blocks_per_req
 
     # -- the step on the device ------------------------------------------
     def _device_step(self, packed: torch.Tensor, plan: BatchPlan,
@@ -213,15 +187,20 @@ class GraphRunner:
                                           key.num_tokens_padded)
         return self._plans[key]
 
-    def capture(self, keys: Sequence[GraphKey] | None = None) -> CaptureReport:
-        """Capture every key of the policy (or `keys`), largest first, from dummy runs."""
+    def capture(self, keys: Sequence[GraphKey] | None = None,
+                progress: bool = True) -> CaptureReport:
+        """Capture every key of the policy (or `keys`), largest first, from dummy runs.
+
+        Keys already captured are skipped. With `progress`, a tqdm bar over the
+        keys (its total known before the first capture) and a one-line summary.
+        """
 
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
             return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
 
         with self.profiler.range("capture"):
             return self.graphs.capture(self.dispatcher.all_keys() if keys is None else keys,
-                                       make_inputs)
+                                       make_inputs, progress=progress)
 
     def dummy_run(self, key: GraphKey) -> None:
         """Replay `key` with every row padded (slot -1, length 0): a DP rank with no work."""
@@ -239,17 +218,13 @@ class GraphRunner:
         """
         t0 = time.perf_counter()
         st, prof = self.state, self.profiler
-        q = self.policy.decode_query_len
         with prof.range("dispatch"):
-            bound_max = int((st.num_computed_tokens_np[sched.req_slots]
-                             + sched.num_scheduled_tokens).max(initial=0))
-            uniform = bool((sched.num_scheduled_tokens == q).all()) and sched.num_reqs > 0
-            key = None if force_eager else self.dispatcher.dispatch(
-                sched.num_reqs, sched.total_num_scheduled_tokens, bound_max, uniform)
+            shape = st.batch_shape(sched, self.dispatcher.decode_query_len)
+            key = None if force_eager else self.dispatcher.dispatch_shape(shape)
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
-            plan = plan_batch(st, sched, *pads)
+            plan = plan_batch(st, sched, *pads, shape=shape)
         with prof.range("replay" if replayed else "eager", key):
             if key is None:
                 logits, sampled = self._device_step(to_device(plan.packed, st.device), plan, None)
@@ -260,6 +235,6 @@ class GraphRunner:
         with prof.range("postprocess"):
             st.advance_mirror(sched)
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
-                                plan.num_tokens_padded, bound_max,
-                                key.max_len_bucket if key else bound_max)
+                                plan.num_tokens_padded, shape.max_seq_len,
+                                key.max_len_bucket if key else shape.max_seq_len)
         return StepOutput(logits, sampled, key, replayed, time.perf_counter() - t0)

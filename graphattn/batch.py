@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from graphattn.keys import BatchShape
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import staging_buffer, to_device
 
@@ -144,6 +145,7 @@ def plan_batch(
     sched: SchedulerOutput,
     num_reqs_padded: int | None = None,
     num_tokens_padded: int | None = None,
+    shape: BatchShape | None = None,
 ) -> BatchPlan:
     """CPU half of `prepare_inputs`: validate, pad and pack (numpy, no device work).
 
@@ -155,6 +157,9 @@ def plan_batch(
         The step's schedule.
     num_reqs_padded, num_tokens_padded : int, optional
         Padded sizes (a graph key's); default: unpadded.
+    shape : BatchShape, optional
+        ``state.batch_shape(sched)`` when the caller has it already (it holds the
+        bound); computed (and the schedule validated) otherwise.
 
     Raises
     ------
@@ -162,7 +167,8 @@ def plan_batch(
         If a padded size is below the real size, or the schedule is invalid
         for `state`.
     """
-    state.check_schedule(sched)
+    if shape is None:
+        shape = state.batch_shape(sched)
     num_reqs = sched.num_reqs
     num_tokens = sched.total_num_scheduled_tokens
     reqs_p = num_reqs if num_reqs_padded is None else num_reqs_padded
@@ -177,8 +183,7 @@ def plan_batch(
     plan.req_slots_np[:num_reqs] = sched.req_slots
     plan.num_scheduled_tokens_np[:num_reqs] = sched.num_scheduled_tokens
     np.cumsum(plan.num_scheduled_tokens_np, out=plan.query_start_loc_np[1:])
-    np.add(state.num_computed_tokens_np[sched.req_slots], sched.num_scheduled_tokens,
-           out=plan.seq_lens_cpu_upper_bound_np[:num_reqs])
+    plan.seq_lens_cpu_upper_bound_np[:num_reqs] = shape.seq_lens_upper_bound
     req_idx = plan.req_indices_np[:num_tokens]
     req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
     np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from capture.runner import BucketPolicy, GraphRunner
+from graphattn.capture.runner import BucketPolicy, GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         sched = SchedulerOutput(slots[take > 0], take[take > 0])
         if sched.num_reqs == 0:
             continue
-        bound = int((state.num_computed_tokens_np[sched.req_slots]
-                     + sched.num_scheduled_tokens).max())
+        bound = state.batch_shape(sched).max_seq_len
         with count_host_syncs() as syncs:
             out = runner.step(sched)
         total_syncs += syncs.count

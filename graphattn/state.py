@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphattn.keys import BatchShape
 from graphattn.transfer import to_device
 
 __all__ = ["RequestState", "SchedulerOutput"]
@@ -217,18 +218,32 @@ class RequestState:
 
     def check_schedule(self, sched: SchedulerOutput) -> None:
         """Raise ValueError if `sched` names free slots or runs past max_model_len."""
+        self.batch_shape(sched)
+
+    def batch_shape(self, sched: SchedulerOutput, decode_query_len: int = 1) -> BatchShape:
+        """Validate `sched` against the table and return its BatchShape (numpy only).
+
+        The one producer of a step's upper bound, its max, the uniform flag and
+        the counts: dispatch, planning and data-parallel agreement use it.
+
+        Raises
+        ------
+        ValueError
+            A slot out of range or free, or a row that would pass max_model_len.
+        """
         slots = sched.req_slots
-        if sched.num_reqs == 0:
-            return
-        if slots.min() < 0 or slots.max() >= self.max_num_reqs:
-            raise ValueError(
-                f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
-                f"max {slots.max()}"
-            )
-        inactive = ~self.active_np[slots]
-        if inactive.any():
-            raise ValueError(f"req_slots {slots[inactive].tolist()} hold no request")
-        ends = self.num_computed_tokens_np[slots] + sched.num_scheduled_tokens
+        if sched.num_reqs:
+            if slots.min() < 0 or slots.max() >= self.max_num_reqs:
+                raise ValueError(
+                    f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
+                    f"max {slots.max()}"
+                )
+            inactive = ~self.active_np[slots]
+            if inactive.any():
+                raise ValueError(f"req_slots {slots[inactive].tolist()} hold no request")
+        shape = BatchShape.of(self.num_computed_tokens_np, slots, sched.num_scheduled_tokens,
+                              decode_query_len)
+        ends = shape.seq_lens_upper_bound
         over = ends > self.max_model_len
         if over.any():
             i = int(np.argmax(over))
@@ -237,6 +252,7 @@ class RequestState:
                 f"{sched.num_scheduled_tokens[i]} = {ends[i]} exceeds max_model_len "
                 f"{self.max_model_len}"
             )
+        return shape
 
     def advance_mirror(self, sched: SchedulerOutput) -> None:
         """CPU half of `postprocess`: advance the mirror optimistically (numpy only)."""

@@ -46,9 +46,6 @@ class UBatchSlice:
     def num_reqs(self) -> int:
         return self.request_slice.stop - self.request_slice.start
 
-    def is_empty(self) -> bool:
-        return self.num_tokens == 0
-
 
 def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) -> torch.Tensor:
     """query_start_loc of requests [request_slice), rebased to start at 0.

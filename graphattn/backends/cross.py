@@ -8,7 +8,6 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
     block_count,
     gather_paged,
@@ -17,7 +16,8 @@ from graphattn.backends.kernels import (
     write_to_cache,
 )
 from graphattn.backends.paged import check_key_fits
-from graphattn.backends.registry import BackendMetadata
+from graphattn.backends.registry import BackendMetadata, PadValue
+from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.transfer import to_device
 
@@ -45,6 +45,8 @@ class CrossAttentionMetadata(BackendMetadata):
 
     tensor_fields: ClassVar[tuple[str, ...]] = (
         "query_start_loc", "encoder_seq_lens", "cross_block_table", "cross_slot_mapping")
+    pad_values: ClassVar[dict[str, PadValue]] = {"cross_slot_mapping": -1,
+                                                 "query_start_loc": "edge"}
     num_computed_tokens_cpu: np.ndarray
     num_cache_decodes: int
     num_encoder_tokens: int

@@ -9,7 +9,7 @@ fixed-shape device ops (`block_mask_tensors`), the same tensors
 create_block_mask gives for this mask but capturable: create_block_mask
 copies pageable host memory, which CUDA graph capture refuses. The impl
 rebuilds the BlockMask from them with ``BlockMask.from_kv_blocks`` (no device
-work) and calls flex_attention compiled through `capture.compile.BucketCompiler`
+work) and calls flex_attention compiled through `graphattn.compile.BucketCompiler`
 (one compile per shape, loud instead of silently eager past dynamo's
 recompile limit, whose eager fallback cannot be captured either).
 """
@@ -25,9 +25,6 @@ from einops import rearrange
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from capture.buckets import LengthBuckets
-from capture.compile import BucketCompiler
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
     block_count,
     gather_paged,
@@ -36,6 +33,9 @@ from graphattn.backends.kernels import (
     write_to_cache,
 )
 from graphattn.backends.paged import PagedTensors, check_key_fits, paged_tensors
+from graphattn.buckets import LengthBuckets
+from graphattn.compile import BucketCompiler
+from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.sync import opaque_region
 

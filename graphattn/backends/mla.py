@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
     gather_positions,
     grouped_attention,
@@ -28,6 +27,7 @@ from graphattn.backends.paged import (
     paged_attention,
     paged_tensors,
 )
+from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = ["MLABuilder", "MLAImpl", "MLAMetadata"]
@@ -80,7 +80,7 @@ class MLABuilder(PagedAttentionBuilder):
     def build(self, common: CommonAttentionMetadata, key: GraphKey | None = None) -> MLAMetadata:
         q = common.query_lens_cpu
         plan = self.plan(common, key, uniform_only=True)
-        nd = plan["num_decodes"]
+        nd = plan.num_decodes
         num_prefills = int((q[nd:] > 0).sum())
         pre = slice(nd, nd + num_prefills)
         ctx = common.num_computed_tokens_cpu_upper_bound[pre]
@@ -94,7 +94,7 @@ class MLABuilder(PagedAttentionBuilder):
         chunk = max(chunk, bs)
         max_ctx = int(ctx.max(initial=0))
         return MLAMetadata(
-            **plan, num_prefills=num_prefills, num_prefill_tokens=int(q[pre].sum()),
+            **plan.as_kwargs(), num_prefills=num_prefills, num_prefill_tokens=int(q[pre].sum()),
             context_lens_cpu=ctx, chunk_size=chunk,
             num_chunks=-(-max_ctx // chunk), max_prefill_query_len=int(q[pre].max(initial=0)),
             **paged_tensors(common),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
     block_count,
     gather_paged,
@@ -17,10 +16,11 @@ from graphattn.backends.kernels import (
     token_request_index,
     write_to_cache,
 )
-from graphattn.backends.registry import BackendMetadata
+from graphattn.backends.registry import BackendMetadata, PadValue
+from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 
-__all__ = ["PagedAttentionBuilder", "PagedAttentionImpl", "PagedAttentionMetadata",
+__all__ = ["PagedAttentionBuilder", "PagedAttentionImpl", "PagedAttentionMetadata", "PagedPlan",
            "PagedTensors", "check_key_fits", "leading_decodes", "paged_tensors"]
 
 
@@ -62,6 +62,7 @@ class PagedTensors(BackendMetadata):
 
     tensor_fields: ClassVar[tuple[str, ...]] = (
         "query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    pad_values: ClassVar[dict[str, PadValue]] = {"slot_mapping": -1, "query_start_loc": "edge"}
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -72,6 +73,31 @@ def paged_tensors(common: CommonAttentionMetadata) -> dict[str, torch.Tensor]:
     """The PagedTensors fields of `common`, as keyword arguments."""
     return dict(query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
                 block_table=common.block_table_tensor, slot_mapping=common.slot_mapping)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedPlan:
+    """The CPU ints of a paged plan (fixed by the key in a captured graph).
+
+    Attributes
+    ----------
+    num_decodes, num_decode_tokens, decode_query_len : int
+        The first `num_decodes` rows run the batched decode path, each with
+        `decode_query_len` tokens; the rest run the token-level path.
+    max_len : int
+        Upper bound of every row's length (bound max, or the key's bucket).
+    num_kv_blocks : int
+        Blocks read per row, ceil(max_len / block_size).
+    """
+
+    num_decodes: int
+    num_decode_tokens: int
+    decode_query_len: int
+    max_len: int
+    num_kv_blocks: int
+
+    def as_kwargs(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(slots=True)
@@ -116,7 +142,7 @@ class PagedAttentionBuilder:
         self.decode_query_len = decode_query_len
 
     def plan(self, common: CommonAttentionMetadata, key: GraphKey | None,
-             uniform_only: bool = False) -> dict[str, int]:
+             uniform_only: bool = False) -> PagedPlan:
         """The CPU ints: from the key when given (so a graph's plan is fixed), else the batch.
 
         `uniform_only` rejects mixed keys (backends captured for uniform batches only).
@@ -133,13 +159,14 @@ class PagedAttentionBuilder:
             nd = leading_decodes(common.query_lens_cpu, qd)
             max_len = common.max_seq_len
         nb = block_count(max_len, self.block_size, common.block_table_tensor.shape[1])
-        return dict(num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd,
-                    max_len=max_len, num_kv_blocks=nb)
+        return PagedPlan(num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd,
+                         max_len=max_len, num_kv_blocks=nb)
 
     def build(self, common: CommonAttentionMetadata,
               key: GraphKey | None = None) -> PagedAttentionMetadata:
         """Metadata of `common`; with `key`, the plan of that key's graph."""
-        return PagedAttentionMetadata(**self.plan(common, key), **paged_tensors(common))
+        return PagedAttentionMetadata(**self.plan(common, key).as_kwargs(),
+                                      **paged_tensors(common))
 
 
 class PagedAttentionImpl:

@@ -9,12 +9,12 @@ budget, planned on CPU from the upper bound.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import (
     block_count,
     gather_paged,
@@ -29,6 +29,7 @@ from graphattn.backends.paged import (
     PagedAttentionMetadata,
     paged_tensors,
 )
+from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = ["PrefillChunk", "SparseIndexerBuilder", "SparseIndexerImpl", "SparseIndexerMetadata",
@@ -108,15 +109,16 @@ class SparseIndexerBuilder(PagedAttentionBuilder):
         q = common.query_lens_cpu
         bound = common.seq_lens_cpu_upper_bound.numpy()
         plan = self.plan(common, key, uniform_only=True)
-        nd, qd = plan["num_decodes"], plan["decode_query_len"]
+        nd, qd = plan.num_decodes, plan.decode_query_len
         if key is None:  # the decode rows alone decide the decode path's key length
-            plan["max_len"] = int(bound[:nd].max(initial=0))
-            plan["num_kv_blocks"] = block_count(plan["max_len"], self.block_size,
-                                                common.block_table_tensor.shape[1])
+            max_len = int(bound[:nd].max(initial=0))
+            plan = dataclasses.replace(plan, max_len=max_len, num_kv_blocks=block_count(
+                max_len, self.block_size, common.block_table_tensor.shape[1]))
         n_pre = int((q[nd:] > 0).sum())
         pre = slice(nd, nd + n_pre)
         chunks = plan_prefill_chunks(q[pre], bound[pre], self.logits_budget, nd, nd * qd)
-        return SparseIndexerMetadata(**plan, prefill_chunks=chunks, **paged_tensors(common))
+        return SparseIndexerMetadata(**plan.as_kwargs(), prefill_chunks=chunks,
+                                     **paged_tensors(common))
 
 
 class SparseIndexerImpl:

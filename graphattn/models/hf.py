@@ -41,7 +41,7 @@ def _register() -> None:
 
 
 class HFCausalLM:
-    """`capture.runner.ModelForward` around a transformers causal LM.
+    """`graphattn.capture.runner.ModelForward` around a transformers causal LM.
 
     Parameters
     ----------

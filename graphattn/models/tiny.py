@@ -72,7 +72,7 @@ class _Layer(nn.Module):
 class TinyDecoder(nn.Module):
     """A small decoder whose attention is a graphattn backend impl (paged by default).
 
-    ``forward(inputs, attn_metadata)`` follows `capture.runner.ModelForward`:
+    ``forward(inputs, attn_metadata)`` follows `graphattn.capture.runner.ModelForward`:
     inputs has "input_ids" and "positions" (int64 [T]); returns logits [T, vocab].
     Call `allocate_caches` before the first forward.
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from capture.buckets import (
+from graphattn.buckets import (
     LengthBuckets,
     PaddingStats,
     default_capture_sizes,

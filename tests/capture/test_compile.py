@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from capture.compile import BucketCompiler, RecompileError
-from capture.dispatcher import GraphKey
+from graphattn.capture.dispatcher import GraphKey
+from graphattn.compile import BucketCompiler, RecompileError
 
 
 def fwd(inputs, key):
@@ -78,7 +78,7 @@ def _kv_inputs(key, device, gen, seq_lens):
 def test_compiled_forward_writing_kv_in_place_is_captured(device):
     """The compiled forward mutates the KV cache; our manager captures it (on CUDA: a real
     graph, where plain reduce-overhead would skip cudagraphs for mutated inputs)."""
-    from capture.graphs import CUDAGraphManager
+    from graphattn.capture.graphs import CUDAGraphManager
 
     torch._dynamo.reset()
     forward, caches = _kv_forward_setup(device)

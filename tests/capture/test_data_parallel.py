@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from capture.buckets import LengthBuckets
-from capture.data_parallel import BatchShape, agree_on_shape, dispatch_across_ranks
-from capture.dispatcher import GraphDispatcher, GraphKey
+from graphattn.buckets import LengthBuckets
+from graphattn.capture.data_parallel import BatchShape, agree_on_shape, dispatch_across_ranks
+from graphattn.capture.dispatcher import GraphDispatcher, GraphKey
 
 SHAPES = [BatchShape(3, 6, 40, True), BatchShape(5, 10, 20, True)]
 MIXED = [BatchShape(3, 6, 40, True), BatchShape(2, 9, 70, False)]

@@ -1,7 +1,7 @@
 import pytest
 
-from capture.buckets import LengthBuckets
-from capture.dispatcher import CaptureSupport, GraphDispatcher, GraphKey
+from graphattn.buckets import LengthBuckets
+from graphattn.capture.dispatcher import CaptureSupport, GraphDispatcher, GraphKey
 from graphattn.sync import no_host_sync
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from capture.dispatcher import GraphKey
-from capture.graphs import CUDAGraphManager, GraphNotCapturedError
+from graphattn.capture.dispatcher import GraphKey
+from graphattn.capture.graphs import CUDAGraphManager, GraphNotCapturedError
 from graphattn.sync import no_host_sync
 
 
@@ -73,8 +73,8 @@ def test_bad_inputs_rejected():
         m.replay(k, {**good, "x": torch.ones(3, 3)}, 2)
     with pytest.raises(ValueError, match="expected torch.float32"):
         m.replay(k, {**good, "x": torch.ones(2, 3, dtype=torch.float64)}, 2)
-    with pytest.raises(ValueError, match="already captured"):
-        m.capture(keys()[:1], make_inputs("cpu"))
+    again = m.capture(keys()[:1], make_inputs("cpu"))
+    assert (again.num_graphs, again.num_skipped) == (0, 1)
     with pytest.raises(ValueError, match="on_missing"):
         CUDAGraphManager(toy_forward, "cpu", on_missing="maybe")
 
@@ -119,3 +119,22 @@ def test_pinned_host_inputs_copy_into_static_buffers():
     with pytest.raises(ValueError, match=r"on cpu, expected torch.float32 \(4, 3\) on cuda:0 "
                                          r"\(or pinned host memory\)"):
         m.replay(GraphKey(4, 4, 16, True), {**live, "x": x}, 3)
+
+
+def test_interrupted_capture_resumes_and_reports():
+    ks = keys()
+    calls = {"n": 0}
+
+    def flaky(inputs, key):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("fault in the forward")
+        return toy_forward(inputs, key)
+
+    m = CUDAGraphManager(flaky, "cpu")
+    with pytest.raises(RuntimeError, match="fault"):
+        m.capture(ks, make_inputs("cpu"))
+    report = m.capture(ks, make_inputs("cpu"), progress=True)
+    assert report.num_skipped == 1 and report.num_graphs == len(ks) - 1
+    assert set(m.keys) == set(ks)
+    assert str(report).startswith(f"ran {len(ks) - 1} keys eagerly: no CUDA graphs on cpu")

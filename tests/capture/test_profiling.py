@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.profiling import StageProfiler
+from graphattn.capture.profiling import StageProfiler
 
 
 def test_ranges_in_torch_profiler_trace():
@@ -17,16 +17,17 @@ def test_ranges_in_torch_profiler_trace():
 def test_nvtx_ranges_balanced_when_a_step_raises(monkeypatch):
     prof = StageProfiler()
     calls = []
-    monkeypatch.setattr(prof.nvtx, "push_range",
-                        lambda msg, color, domain: calls.append(("push", msg, color, domain)))
-    monkeypatch.setattr(prof.nvtx, "pop_range", lambda domain: calls.append(("pop", domain)))
+    monkeypatch.setattr(prof.nvtx, "push_range", lambda attr: calls.append(("push", attr)))
+    monkeypatch.setattr(prof.nvtx, "pop_range", lambda: calls.append(("pop",)))
     with pytest.raises(RuntimeError):
         with prof.range("build"), prof.range("replay", "k"):
             raise RuntimeError("boom")
     assert prof.depth == 0
     assert [c[0] for c in calls] == ["push", "push", "pop", "pop"]
-    assert calls[0] == ("push", "build", "green", "graphattn")
-    assert calls[1][1] == "replay k"
+    # one cached attributes object per (stage, key); None when no NVTX tool is attached
+    assert calls[0][1] is prof.attributes("build", None)
+    assert calls[1][1] is prof.attributes("replay", "k")
+    assert set(prof._attributes) == {("build", None), ("replay", "k")}
 
 
 def test_disabled_and_unknown_stage():
@@ -39,7 +40,7 @@ def test_disabled_and_unknown_stage():
 
 
 def test_runner_emits_every_stage():
-    from capture.runner import BucketPolicy, GraphRunner
+    from graphattn.capture.runner import BucketPolicy, GraphRunner
     from graphattn.models.tiny import TinyConfig, TinyDecoder
     from graphattn.state import RequestState, SchedulerOutput
 

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from capture.buckets import LengthBuckets
-from capture.dispatcher import GraphKey
-from capture.graphs import GraphNotCapturedError
-from capture.runner import BucketPolicy, GraphRunner
 from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
+from graphattn.buckets import LengthBuckets
+from graphattn.capture.dispatcher import GraphKey
+from graphattn.capture.graphs import GraphNotCapturedError
+from graphattn.capture.runner import BucketPolicy, GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs, no_host_sync
@@ -133,8 +133,12 @@ def test_missing_graph_error_and_bad_config():
         runner.step(SchedulerOutput(np.array([0]), np.array([3])))
     with pytest.raises(ValueError, match="unknown static inputs"):
         GraphRunner(model, st, static_input_names=("input_ids", "pixels"))
-    with pytest.raises(ValueError, match="needs builder="):
-        GraphRunner(model, st, backend="mla")
+    with pytest.raises(ValueError, match="backend 'cross'.*pass builder="):
+        GraphRunner(model, st, backend="cross")
+    with pytest.raises(ValueError, match="unknown backend 'pagd'"):
+        GraphRunner(model, st, backend="pagd")
+    with pytest.raises(TypeError, match="has no build"):
+        GraphRunner(model, st, builder=object())
     with pytest.raises(ValueError, match="decode_query_len = 0"):
         BucketPolicy(decode_query_len=0)
 

@@ -5,13 +5,17 @@ import numpy as np
 import pytest
 import torch
 
-from capture.buckets import LengthBuckets
-from capture.dispatcher import GraphDispatcher
-from capture.graphs import PAD_VALUES, CUDAGraphManager
-from graphattn.backends import AttentionBackendEnum, get_backend
-from graphattn.backends.flex import FlexAttentionImpl
+from graphattn.backends import get_backend
+from graphattn.backends.cross import CrossAttentionBuilder
+from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
 from graphattn.backends.kernels import allocate_kv_cache
+from graphattn.backends.mla import MLABuilder
+from graphattn.backends.paged import PagedAttentionBuilder
+from graphattn.backends.sparse_indexer import SparseIndexerBuilder
 from graphattn.batch import prepare_inputs
+from graphattn.buckets import LengthBuckets
+from graphattn.capture.dispatcher import GraphDispatcher
+from graphattn.capture.graphs import CUDAGraphManager
 from graphattn.metadata import build_common_metadata
 from graphattn.spec_decode import RejectionFeedback, apply_rejections, verify_schedule
 from graphattn.state import RequestState, SchedulerOutput
@@ -28,38 +32,38 @@ class Case:
     def __init__(self, name, device, num_slots, spec):
         flex_compile = None
         if name == "flex_uncompiled":
-            name, flex_compile = AttentionBackendEnum.FLEX, False
+            name, flex_compile = "flex", False
         self.name, self.device = name, device
         spec_ = get_backend(name)
         self.support = spec_.capture_support
         nb = num_slots * (MAXLEN // BS)
         dt = torch.float32
-        if name == AttentionBackendEnum.PAGED:
-            self.builder, self.impl = spec_.builder_cls(BS, spec + 1), spec_.impl_cls(H, D, HKV)
+        if name == "paged":
+            self.builder, self.impl = PagedAttentionBuilder(BS, spec + 1), spec_.impl_cls(H, D, HKV)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
-        elif name == AttentionBackendEnum.FLEX:
+        elif name == "flex":
             # compiled on CUDA (128-wide mask blocks), reference implementation on CPU
-            self.builder = spec_.builder_cls(BS, LengthBuckets(MAXLEN, (32, 64)),
+            self.builder = FlexAttentionBuilder(BS, LengthBuckets(MAXLEN, (32, 64)),
                                              mask_block_size=32 if device == "cpu" else 128)
             self.impl = spec_.impl_cls(H, D, HKV, compile=flex_compile)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D), "k": (HKV, D), "v": (HKV, D)}
-        elif name == AttentionBackendEnum.MLA:
-            self.builder, self.impl = spec_.builder_cls(BS, 64, spec + 1), spec_.impl_cls(
+        elif name == "mla":
+            self.builder, self.impl = MLABuilder(BS, 64, spec + 1), spec_.impl_cls(
                 H, LORA, ROPE, 0.2)
             self.caches = [allocate_kv_cache(nb, BS, 1, LORA + ROPE, dt, device)]
             self.shapes = {"q": (H, LORA + ROPE), "kv_c": (LORA,), "k_pe": (ROPE,)}
-        elif name == AttentionBackendEnum.CROSS:
-            self.builder, self.impl = spec_.builder_cls(BS, MAXLEN), spec_.impl_cls(H, D, HKV)
+        elif name == "cross":
+            self.builder, self.impl = CrossAttentionBuilder(BS, MAXLEN), spec_.impl_cls(H, D, HKV)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.shapes = {"q": (H, D)}
             eb = MAXLEN // BS
             self.cross_bt = np.arange(num_slots * eb, dtype=np.int32).reshape(num_slots, eb)
             self.enc_len = np.random.default_rng(1).integers(5, MAXLEN, num_slots).astype(np.int32)
             self.encoder = None
-        elif name == AttentionBackendEnum.SPARSE_INDEXER:
-            self.builder = spec_.builder_cls(BS, 4096, spec + 1)
+        elif name == "sparse_indexer":
+            self.builder = SparseIndexerBuilder(BS, 4096, spec + 1)
             self.impl = spec_.impl_cls(H, D, HKV, topk=12)
             self.caches = [allocate_kv_cache(nb, BS, HKV, D, dt, device) for _ in range(2)]
             self.caches.append(allocate_kv_cache(nb, BS, 1, DI, dt, device))
@@ -67,7 +71,7 @@ class Case:
                            "k_idx": (DI,), "w": (HI,)}
 
     def build(self, batch, common, key=None):
-        if self.name != AttentionBackendEnum.CROSS:
+        if self.name != "cross":
             return self.builder.build(common, key)
         slots = batch.req_slots_np
         enc = np.where(np.arange(batch.num_reqs_padded) < batch.num_reqs, self.enc_len[slots], 0)
@@ -75,12 +79,12 @@ class Case:
         return self.builder.build(common, enc, bt, to_device(bt, self.device), key)
 
     def run(self, x, caches, meta):
-        if self.name in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FLEX):
+        if self.name in ("paged", "flex"):
             return self.impl.forward(x["q"], x["k"], x["v"], caches, meta)
-        if self.name == AttentionBackendEnum.CROSS:
+        if self.name == "cross":
             enc = self.encoder if meta.num_encoder_tokens else None
             return self.impl.forward(x["q"], *(enc or (None, None)), caches, meta)
-        if self.name == AttentionBackendEnum.MLA:
+        if self.name == "mla":
             return self.impl.forward(x["q"], x["kv_c"], x["k_pe"], caches[0], meta)
         # positive indexer inputs: no relu-zero ties, so top-k is unique
         pos = [x[n].abs() + 0.01 for n in ("q_idx", "k_idx", "w")]
@@ -97,9 +101,9 @@ def device(request):
 
 
 
-CASES = [(b, spec) for b in (AttentionBackendEnum.PAGED, AttentionBackendEnum.FLEX,
-                              AttentionBackendEnum.MLA, AttentionBackendEnum.SPARSE_INDEXER)
-         for spec in (0, 2)] + [(AttentionBackendEnum.CROSS, 0), ("flex_uncompiled", 0)]
+CASES = [(b, spec) for b in ("paged", "flex",
+                              "mla", "sparse_indexer")
+         for spec in (0, 2)] + [("cross", 0), ("flex_uncompiled", 0)]
 
 
 @pytest.mark.parametrize("name, spec", CASES, ids=lambda c: getattr(c, "value", str(c)))
@@ -115,7 +119,7 @@ def test_capture_replay_matches_eager(name, spec, device):
         st.add_request(f"r{i}", int(p), np.arange(i * (MAXLEN // BS), (i + 1) * (MAXLEN // BS)))
     pre = SchedulerOutput(np.arange(num_slots), prompts)
     batch = prepare_inputs(st, pre)
-    if name == AttentionBackendEnum.CROSS:
+    if name == "cross":
         tot = int(case.enc_len.sum())
         case.encoder = tuple(torch.randn(tot, HKV, D, generator=gen).to(device) for _ in range(2))
     case.run(case.rand_inputs(batch.num_tokens_padded, gen), case.caches,
@@ -137,7 +141,8 @@ def test_capture_replay_matches_eager(name, spec, device):
         meta = templates[key].with_tensors(inputs)
         return case.run(inputs, case.caches, meta)
 
-    mgr = CUDAGraphManager(forward, device, pad_values=PAD_VALUES)
+    pads = get_backend(case.name).metadata_cls.pad_values
+    mgr = CUDAGraphManager(forward, device, pad_values=pads)
     if device == "cuda" and isinstance(case.impl, FlexAttentionImpl) and case.impl.compile is False:
         with pytest.raises(ValueError, match="uncompiled flex_attention cannot be captured"):
             mgr.capture(disp.all_keys()[:1], make_inputs)

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.cross import CrossAttentionBuilder, CrossAttentionImpl
 from graphattn.backends.kernels import allocate_kv_cache
+from graphattn.capture.dispatcher import GraphKey
 from graphattn.sync import no_host_sync
 from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario, dense_attention

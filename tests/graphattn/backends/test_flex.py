@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from capture.buckets import LengthBuckets
 from graphattn.backends.flex import (
     FlexAttentionBuilder,
     FlexAttentionImpl,
@@ -13,6 +12,7 @@ from graphattn.backends.flex import (
 )
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
+from graphattn.buckets import LengthBuckets
 from graphattn.sync import no_host_sync
 from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.mla import MLABuilder, MLAImpl
+from graphattn.capture.dispatcher import GraphKey
 from graphattn.sync import no_host_sync
 from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario

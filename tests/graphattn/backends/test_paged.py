@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
+from graphattn.capture.dispatcher import GraphKey
 from graphattn.sync import no_host_sync
 from graphattn.ubatch import maybe_create_ubatch_slices, split_attn_metadata
 from graphattn.workload import WorkloadConfig

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 import torch
 
-from capture.dispatcher import GraphKey
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.sparse_indexer import (
     PrefillChunk,
@@ -10,6 +9,7 @@ from graphattn.backends.sparse_indexer import (
     SparseIndexerImpl,
     plan_prefill_chunks,
 )
+from graphattn.capture.dispatcher import GraphKey
 from graphattn.sync import no_host_sync
 from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario, dense_attention

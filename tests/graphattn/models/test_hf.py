@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.runner import BucketPolicy, GraphRunner
+from graphattn.capture.runner import BucketPolicy, GraphRunner
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
 

@@ -1,0 +1,126 @@
+"""Graph keys, capture support and the batch shape that picks a key (CPU numbers only).
+
+The lowest layer of the graph machinery: backends and the capture layer both
+import it, and it imports nothing from either.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["BatchShape", "CaptureSupport", "GraphKey"]
+
+
+class CaptureSupport(enum.IntEnum):
+    """Which batches a backend lets run inside a captured graph."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GraphKey:
+    """The shape a captured graph was recorded for.
+
+    Attributes
+    ----------
+    num_reqs_padded : int
+        Rows (padded rows carry query length 0, seq len 0).
+    num_tokens_padded : int
+    max_len_bucket : int
+        Bucket of the upper-bound max length; sizes length-dependent buffers.
+    uniform_decode : bool
+        Every row has the same query length num_tokens_padded / num_reqs_padded.
+    """
+
+    num_reqs_padded: int
+    num_tokens_padded: int
+    max_len_bucket: int
+    uniform_decode: bool
+
+    def __post_init__(self) -> None:
+        if self.num_reqs_padded < 1 or self.num_tokens_padded < self.num_reqs_padded:
+            raise ValueError(
+                f"GraphKey needs 1 <= num_reqs_padded <= num_tokens_padded, got "
+                f"{self.num_reqs_padded}, {self.num_tokens_padded}"
+            )
+        if self.max_len_bucket < 1:
+            raise ValueError(f"max_len_bucket = {self.max_len_bucket}, expected >= 1")
+        if self.uniform_decode and self.num_tokens_padded % self.num_reqs_padded:
+            raise ValueError(
+                f"uniform key: num_tokens_padded {self.num_tokens_padded} is not a multiple of "
+                f"num_reqs_padded {self.num_reqs_padded}"
+            )
+
+    @property
+    def query_len(self) -> int:
+        """Tokens per row of a uniform key (0 for a mixed key)."""
+        return self.num_tokens_padded // self.num_reqs_padded if self.uniform_decode else 0
+
+    def __str__(self) -> str:
+        kind = f"decode q={self.query_len}" if self.uniform_decode else "mixed"
+        return (f"reqs={self.num_reqs_padded} tokens={self.num_tokens_padded} "
+                f"len<={self.max_len_bucket} {kind}")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """The CPU numbers of one step that pick its graph key.
+
+    Produced once per step by `BatchShape.of` and used by dispatch, planning
+    and data-parallel agreement alike.
+
+    Attributes
+    ----------
+    num_reqs, num_tokens : int
+        Real (unpadded) rows and query tokens.
+    max_seq_len : int
+        Max of the CPU upper bound.
+    uniform_decode : bool
+        At least one row, and every row has exactly the decode query length.
+    seq_lens_upper_bound : np.ndarray or None
+        int32 [num_reqs]: num_computed_tokens_cpu + num_scheduled_tokens per row
+        (None for a shape agreed across ranks, which has no rows of its own).
+    """
+
+    num_reqs: int
+    num_tokens: int
+    max_seq_len: int
+    uniform_decode: bool
+    seq_lens_upper_bound: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if min(self.num_reqs, self.num_tokens, self.max_seq_len) < 0:
+            raise ValueError(
+                f"BatchShape needs num_reqs, num_tokens, max_seq_len >= 0, got "
+                f"{self.num_reqs}, {self.num_tokens}, {self.max_seq_len}"
+            )
+        if self.num_tokens < self.num_reqs:
+            raise ValueError(
+                f"BatchShape needs num_tokens >= num_reqs, got {self.num_tokens} < {self.num_reqs}"
+            )
+
+    @classmethod
+    def of(cls, num_computed_tokens_cpu: np.ndarray, req_slots: np.ndarray,
+           num_scheduled_tokens: np.ndarray, decode_query_len: int = 1) -> BatchShape:
+        """The shape of a schedule over the CPU mirror (numpy only).
+
+        Parameters
+        ----------
+        num_computed_tokens_cpu : np.ndarray
+            int32 [max_num_reqs]: the CPU mirror (an upper bound).
+        req_slots, num_scheduled_tokens : np.ndarray
+            int32 [num_reqs]: the schedule.
+        decode_query_len : int
+            Tokens per row of a uniform decode (1 + speculative tokens).
+        """
+        bound = np.add(num_computed_tokens_cpu[req_slots], num_scheduled_tokens, dtype=np.int64)
+        n = int(req_slots.shape[0])
+        uniform = n > 0 and bool((num_scheduled_tokens == decode_query_len).all())
+        return cls(n, int(num_scheduled_tokens.sum()), int(bound.max(initial=0)), uniform,
+                   bound)
