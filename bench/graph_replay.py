@@ -1,8 +1,19 @@
-"""Uniform decode, side by side in one run: eager with a host read per step, eager
-sync-free, graphattn graph replay, torch.compile(mode="reduce-overhead"), and the
-replay-only floor.
+"""Uniform decode, every mode side by side on the same weights, one process per model.
 
-    python -m bench.graph_replay [--sizes 1,8,32,128] [--steps 200]
+    python -m bench.graph_replay [--models tiny,1b] [--sizes 1,8,32,128] [--lengths 512,2048]
+                                 [--steps 100] [--out bench/results]
+
+Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
+`graphattn_compiled_graphs` (inductor-compiled forward inside our graphs),
+`torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
+`handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
+`replay_floor` (our graphs replayed back to back with no host work).
+
+Each row: `us_step` (median of CUDA-event step times, with p25/p75), `floor_us`
+((weight bytes + live KV bytes) / the HBM bandwidth of a device copy measured in the same
+run), `x_floor`, `host_us` (median host time of a step call), `kernels` (nodes of the
+step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per model times the attention
+op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its time).
 """
 
 from __future__ import annotations
@@ -11,118 +22,322 @@ import argparse
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.setup import Setup, fill_requests, make_setup, set_lengths
-from bench.timing import WARMUP, syncs_per_step, us_per_step
-from graphattn.capture.runner import BucketPolicy
+from bench.setup import MODELS, fill_requests, make_setup, set_lengths
+from graphattn.buckets import BucketPolicy
+from graphattn.capture.runner import GraphRunner
 from graphattn.state import SchedulerOutput
 
-MAX_LEN = 1024
-BOUNDARIES = (256, 512)
+WARMUP = 5
+RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs")
+HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
+MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, "replay_floor")
 
 
-def decode_modes(setup: Setup, sizes: tuple[int, ...], steps: int, device: str,
-                 scenario: str = "uniform_decode") -> list[dict]:
-    """host_read, eager, graphs and replay_floor rows for each batch size.
+def hbm_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
+    """Bytes/s of a device-to-device copy (bytes read + written), median of `reps`."""
+    src = torch.randint(0, 255, (int(gib * 2**30),), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
 
-    The floor replays, with no host work in between, the very keys the graphs
-    mode used step by step (lengths grow across a bucket boundary during a
-    run, so one fixed key would understate the floor).
-    """
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(128, 384, max(sizes)).astype(np.int32)
-    fill_requests(setup, max(sizes), lengths, rng)
-    runner, st = setup.runner, setup.state
+    def copy() -> None:
+        dst.copy_(src)
+
+    return 2 * gib * 2**30 / (np.median(event_times(copy, reps, warmup=2)) * 1e-6)
+
+
+def event_times(fn, steps: int, warmup: int = WARMUP) -> np.ndarray:
+    """µs between CUDA events recorded around each call (the GPU time the step took,
+    idle gaps while the host lags included)."""
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(steps)]
+    torch.cuda.synchronize()
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return 1e3 * np.array([a.elapsed_time(b) for a, b in ev])
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph | None) -> int | None:
+    """Kernel (and memcpy/memset) nodes of a captured graph, when torch and cuda-python expose
+    them."""
+    if graph is None or not hasattr(graph, "raw_cuda_graph"):
+        return None
+    try:
+        from cuda.bindings import runtime
+
+        err, _, count = runtime.cudaGraphGetNodes(graph.raw_cuda_graph(), 0)
+        return int(count) if int(err) == 0 else None
+    except Exception:  # noqa: BLE001 - an optional column
+        return None
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights (the embedding table: only its rows)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if not n.startswith("embed"))
+
+
+def kv_bytes(cfg, total_len: float, elem: int = 2) -> float:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem * total_len
+
+
+def _summary(times: np.ndarray) -> dict:
+    return {"us_step": float(np.median(times)), "us_p25": float(np.percentile(times, 25)),
+            "us_p75": float(np.percentile(times, 75))}
+
+
+def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengths, steps,
+                bw, wbytes, rng) -> list[dict]:
     rows = []
-    for n in sizes:
-        sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))
-        keys: list = []
-        host_s: list[float] = []
+    st = setup.state
+    for length in lengths:
+        for n in sizes:
+            lens = rng.integers(length - 16, length + 16, max(sizes)).astype(np.int32)
+            sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))
+            keys: list = []
+            host: list[float] = []
 
-        def measure(mode: str, fn, count_syncs: bool = True, n=n) -> dict:
-            set_lengths(st, lengths)
-            row = {"scenario": scenario, "mode": mode, "batch": n,
-                   "us_step": us_per_step(fn, steps, device)}
-            set_lengths(st, lengths)
-            row["syncs_per_step"] = syncs_per_step(fn) if count_syncs else 0.0
-            return row
+            def step(sched=sched, keys=keys, host=host):
+                out = runner.step(sched)
+                keys.append(out.key if out.replayed else None)
+                host.append(out.host_seconds)
 
-        def host_read(sched=sched, n=n):
-            int(st.num_computed_tokens[:n].max())  # the pre-upper-bound pattern
-            return runner.step(sched, force_eager=True)
-
-        def graphs(sched=sched, keys=keys, host_s=host_s):
-            out = runner.step(sched)
-            keys.append(out.key if out.replayed else None)
-            host_s.append(out.host_seconds)
-
-        rows.append(measure("host_read", host_read))
-        rows.append(measure("eager", lambda sched=sched: runner.step(sched, force_eager=True)))
-        rows.append(measure("graphs", graphs))
-        timed = keys[: WARMUP + steps]  # the syncs count appended a few more
-        if None in timed:
-            raise RuntimeError(f"batch {n}: a graphs-mode step ran eager; no floor to compare")
-        host = 1e6 * np.asarray(host_s[: WARMUP + steps])
-        rows[-1].update(keys=sorted({str(k) for k in timed}), host_us=float(np.median(host)),
-                        host_us_mean=float(host.mean()), host_us_p99=float(np.percentile(host, 99)))
-        seq = iter(timed)
-        rows.append(measure("replay_floor", lambda seq=seq: runner.graphs.replay_only(next(seq)),
-                            count_syncs=False))
-    set_lengths(st, lengths)
+            set_lengths(st, lens)
+            times = event_times(step, steps)
+            if None in keys:
+                raise RuntimeError(f"{mode} batch {n}: a step ran without a graph")
+            live = float(lens[:n].sum() + n * (WARMUP + steps / 2))
+            floor = 1e6 * (wbytes + kv_bytes(cfg, live)) / bw
+            key = keys[-1]
+            row = {"mode": mode, "batch": n, "length": length, **_summary(times),
+                   "floor_us": floor, "host_us": 1e6 * float(np.median(host)),
+                   "kernels": graph_nodes(runner.graphs._captured[key].graph),
+                   "capture_s": report.seconds, "pool_mb": report.pool_bytes / 2**20,
+                   "keys": sorted({str(k) for k in keys})}
+            rows.append(row)
+            if mode == "graphattn_graphs":  # the same keys back to back, no host work
+                seq = iter(keys[:WARMUP + steps])
+                set_lengths(st, lens)
+                ft = event_times(lambda seq=seq: runner.graphs.replay_only(next(seq)), steps)
+                rows.append({"mode": "replay_floor", "batch": n, "length": length,
+                             **_summary(ft), "floor_us": floor, "kernels": row["kernels"]})
     return rows
 
 
-def compile_rows(sizes: tuple[int, ...], steps: int) -> list[dict]:
-    """The torch.compile baseline, from a subprocess (see bench.compile_baseline)."""
-    cmd = [sys.executable, "-m", "bench.compile_baseline", "--sizes",
-           ",".join(map(str, sizes)), "--steps", str(steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-    if proc.returncode and not rows:
-        rows = [{"scenario": "uniform_decode", "mode": "compile_reduce_overhead",
-                 "error": proc.stderr[-300:]}]
+def handwritten_rows(model, cfg, sizes, lengths, steps, bw, wbytes, rng) -> list[dict]:
+    from bench.handwritten import HandwrittenDecode
+
+    rows = []
+    for mode, compile_mode in HANDWRITTEN.items():
+        for length in lengths:
+            max_len = -(-(length + 16 + 2 * (WARMUP + steps)) // 128) * 128
+            for n in sizes:
+                lens = torch.from_numpy(rng.integers(length - 16, length + 16, n)).cuda()
+                t0 = time.perf_counter()
+                hw = HandwrittenDecode(model, n, max_len, compile_mode)
+                hw.capture(lens)
+                capture_s = time.perf_counter() - t0
+                times = event_times(hw.replay, steps)
+                live = float(lens.sum().item() + n * (WARMUP + steps / 2))
+                rows.append({"mode": mode, "batch": n, "length": length, **_summary(times),
+                             "floor_us": 1e6 * (wbytes + kv_bytes(cfg, live)) / bw,
+                             "kernels": graph_nodes(hw.graph), "capture_s": capture_s,
+                             "static_len": max_len})
+                del hw
+                torch.cuda.empty_cache()
     return rows
 
 
-def add_idle_fraction(rows: list[dict]) -> None:
-    """GPU idle ≈ 1 - floor / step and step / floor - 1, the floor being the replay-only
-    time of the same keys."""
-    floors = {r["batch"]: r["us_step"] for r in rows if r.get("mode") == "replay_floor"}
+def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
+    """The attention op alone on one layer's shape, replayed in a CUDA graph."""
+    from graphattn.backends.ops import has_varlen_paged
+
+    bs = 16 if not has_varlen_paged() else 256
+    rng = np.random.default_rng(5)
+    nblk = -(-(length + 16) // bs)
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kc, vc = (torch.randn(batch * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2))
+    bt = torch.from_numpy(rng.permutation(batch * nblk).astype(np.int32).reshape(batch, nblk))
+    bt = bt.cuda()
+    lens = torch.from_numpy(rng.integers(length - 16, length + 16, batch).astype(np.int32))
+    seq = lens.cuda()
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    total = float(lens.sum()) * hkv * d * 2 * 2
+    rows = []
+    for kernel in ("triton", "varlen"):
+        if kernel == "varlen" and not has_varlen_paged():
+            rows.append({"mode": "attention_varlen", "batch": batch, "length": length,
+                         "error": f"torch {torch.__version__} has no varlen_attn block_table"})
+            continue
+
+        def call(kernel=kernel):
+            return torch.ops.graphattn.paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5,
+                                                       batch, 1, nblk, nblk * bs, 0, 0.0, None,
+                                                       kernel)
+
+        try:
+            call()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call()
+            times = event_times(g.replay, 50)
+            us = float(np.median(times))
+            rows.append({"mode": f"attention_{kernel}", "batch": batch, "length": length,
+                         "us_step": us, "floor_us": 1e6 * total / bw, "x_floor": us / (1e6 *
+                         total / bw), "kv_tbps": total / (us * 1e-6) / 1e12})
+        except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
+            rows.append({"mode": f"attention_{kernel}", "batch": batch, "length": length,
+                         "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
+def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps: int,
+              modes: tuple[str, ...]) -> list[dict]:
+    cfg = MODELS[name]
+    bw = hbm_bandwidth()
+    torch.cuda.empty_cache()
+    max_len = max(lengths) + 16 + 2 * (WARMUP + steps) + 64
+    bounds = tuple(sorted({1 << (x + 16 + 2 * (WARMUP + steps)).bit_length() for x in lengths}))
+    policy = BucketPolicy(capture_sizes=tuple(sorted(sizes)),
+                          length_boundaries=tuple(b for b in bounds if b < max_len))
+    setup = make_setup("cuda", max(sizes), max_len, policy, cfg)
+    rng = np.random.default_rng(0)
+    fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32), rng)
+    wbytes = weight_bytes(setup.model)
+    rows: list[dict] = []
+    with torch.inference_mode():
+        for mode in RUNNER_MODES:
+            if mode not in modes:
+                continue
+            runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
+                setup.model, setup.state, policy=policy, compile=True)
+            try:
+                report = runner.capture(progress=False)
+                rows += runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
+                                    wbytes, np.random.default_rng(1))
+            except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
+                rows.append({"mode": mode, "error": f"{type(e).__name__}: {e}"[:400]})
+            del runner
+            torch.cuda.empty_cache()
+        setup.runner = None
+        for cache in setup.model.caches:  # the handwritten peers bring their own caches
+            del cache
+        setup.model.caches = []
+        torch.cuda.empty_cache()
+        if set(HANDWRITTEN) & set(modes):
+            rows += handwritten_rows(setup.model, cfg, sizes, lengths, steps, bw, wbytes,
+                                     np.random.default_rng(1))
+        rows += attention_rows(cfg, max(sizes), max(lengths), bw)
     for r in rows:
-        if r.get("batch") in floors and "us_step" in r:
-            r["gpu_idle_frac"] = max(0.0, 1 - floors[r["batch"]] / r["us_step"])
-            r["vs_floor"] = r["us_step"] / floors[r["batch"]] - 1
+        r.update(model=name, hbm_tbps=bw / 1e12)
+        if "us_step" in r and "floor_us" in r:
+            r["x_floor"] = r["us_step"] / r["floor_us"]
+    return rows
 
 
-def run(device: str, sizes: tuple[int, ...], steps: int,
-        compile_baseline: bool = True) -> tuple[list[dict], dict]:
-    policy = BucketPolicy(capture_sizes=tuple(sorted(set(sizes))), length_boundaries=BOUNDARIES)
-    setup = make_setup(device, max(sizes), MAX_LEN, policy)
-    report = setup.runner.capture()
-    info = {"graphs": report.num_graphs, "capture_s": report.seconds,
-            "pool_mb": report.pool_bytes / 2**20}
-    rows = decode_modes(setup, sizes, steps, device)
-    if device == "cuda" and compile_baseline:
-        rows += compile_rows(sizes, steps)
-    add_idle_fraction(rows)
-    return rows, info
+def compile_rows(name: str, sizes, lengths, steps) -> list[dict]:
+    """torch.compile reduce-overhead, in its own process (see bench.compile_baseline)."""
+    cmd = [sys.executable, "-m", "bench.compile_baseline", "--model", name, "--sizes",
+           ",".join(map(str, sizes)), "--lengths", ",".join(map(str, lengths)),
+           "--steps", str(steps)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return [{"model": name, "mode": "torch_compile_reduce_overhead", "error": "timeout"}]
+    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if not rows:
+        rows = [{"model": name, "mode": "torch_compile_reduce_overhead",
+                 "error": proc.stderr[-400:]}]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per (model, length, batch), modes as columns (µs and x floor)."""
+    modes = [m for m in MODES if any(r.get("mode") == m for r in rows)]
+    head = "| model | length | batch | floor µs | " + " | ".join(modes) + " |"
+    lines = [head, "|" + "---|" * (4 + len(modes))]
+    cells: dict = {}
+    for r in rows:
+        if "us_step" in r and r.get("mode") in modes:
+            cells[(r["model"], r["length"], r["batch"], r["mode"])] = r
+    for m, length, b in sorted({k[:3] for k in cells}, key=lambda k: (k[0] != "tiny", k)):
+        floor = next(cells[k]["floor_us"] for k in cells if k[:3] == (m, length, b))
+        vals = []
+        for mode in modes:
+            r = cells.get((m, length, b, mode))
+            vals.append("" if r is None else
+                        f"{r['us_step']:.0f} ({r['us_step'] / floor:.2f}x)")
+        lines.append(f"| {m} | {length} | {b} | {floor:.0f} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,1b")
+    ap.add_argument("--model", help="run one model in this process (used by the parent)")
     ap.add_argument("--sizes", default="1,8,32,128")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--lengths", default="512,2048")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, info = run(device, tuple(int(s) for s in args.sizes.split(",")), args.steps,
-                     not args.no_compile)
-    print(info)
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    lengths = tuple(int(s) for s in args.lengths.split(","))
+    modes = tuple(args.modes.split(","))
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.graph_replay needs a CUDA GPU")
+    if args.model:
+        for r in run_model(args.model, sizes, lengths, args.steps, modes):
+            print("ROW " + json.dumps(r), flush=True)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.models.split(","):
+        rows: list[dict] = []
+        cmd = [sys.executable, "-m", "bench.graph_replay", "--model", name, "--sizes",
+               args.sizes, "--lengths", args.lengths, "--steps", str(args.steps),
+               "--modes", args.modes]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = [json.loads(x[4:]) for x in proc.stdout.splitlines() if x.startswith("ROW ")]
+        rows += got or [{"model": name, "mode": "all", "error": proc.stderr[-600:]}]
+        print(proc.stderr[-2000:] if proc.returncode else "", file=sys.stderr)
+        if "torch_compile_reduce_overhead" in modes:
+            rows += compile_rows(name, sizes, lengths, args.steps)
+        meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
+                "command": "python -m bench.graph_replay " + " ".join(sys.argv[1:])}
+        (out / f"graph_replay_{name}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1))
+    merge(out)
+
+
+def merge(out: Path) -> None:
+    """graph_replay.json (a list of rows) and graph_replay.md from every model's file."""
+    rows: list[dict] = []
+    for path in sorted(out.glob("graph_replay_*.json")):
+        got = json.loads(path.read_text())
+        rows += [{**r, "date": got["meta"]["date"], "torch": got["meta"]["torch"]}
+                 for r in got["rows"]]
+    (out / "graph_replay.json").write_text(json.dumps(rows, indent=1))
+    md = table(rows)
+    (out / "graph_replay.md").write_text(f"{md}\n")
+    print(md)
     for r in rows:
-        print(r)
+        if "error" in r or r.get("mode", "").startswith("attention"):
+            print(r)
 
 
 if __name__ == "__main__":

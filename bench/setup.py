@@ -13,6 +13,10 @@ from graphattn.state import RequestState
 
 BENCH_MODEL = TinyConfig(vocab_size=4096, hidden_size=1024, num_layers=8, num_heads=16,
                          num_kv_heads=4, intermediate_size=2816)
+# a 1B-class Llama shape (random weights)
+LLAMA_1B = TinyConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
+                      num_kv_heads=8, intermediate_size=8192, rope_theta=500000.0)
+MODELS = {"tiny": BENCH_MODEL, "1b": LLAMA_1B}
 
 
 @dataclass(slots=True)
@@ -23,13 +27,17 @@ class Setup:
 
 
 def make_setup(device: str, max_reqs: int, max_len: int, policy: BucketPolicy,
-               cfg: TinyConfig = BENCH_MODEL, block_size: int = 16, seed: int = 0) -> Setup:
+               cfg: TinyConfig = BENCH_MODEL, block_size: int = 16, seed: int = 0,
+               model: TinyDecoder | None = None, **runner_kwargs) -> Setup:
+    """Model (bf16 on CUDA; shared when given), state, caches and a GraphRunner."""
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = TinyDecoder(cfg).to(device, dtype)
+    if model is None:
+        model = TinyDecoder(cfg).to(device, dtype)
     st = RequestState(max_reqs, max_len, block_size, device)
-    model.allocate_caches(max_reqs * st.max_num_blocks_per_req, block_size)
-    return Setup(model, st, GraphRunner(model, st, policy=policy))
+    if not model.caches:
+        model.allocate_caches(max_reqs * st.max_num_blocks_per_req, block_size)
+    return Setup(model, st, GraphRunner(model, st, policy=policy, **runner_kwargs))
 
 
 def set_lengths(state: RequestState, lengths: np.ndarray) -> None:

@@ -21,6 +21,7 @@ from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.dispatcher import GraphDispatcher
 from graphattn.capture.graphs import CaptureReport, CUDAGraphManager
 from graphattn.capture.profiling import StageProfiler
+from graphattn.compile import BucketCompiler
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState, SchedulerOutput
@@ -91,6 +92,12 @@ class GraphRunner:
     dispatcher : GraphDispatcher, optional
         Picks the key of each step (default: one made from `policy` and the
         backend's capture support).
+    compile : bool
+        Compile `forward` with inductor once per key (`BucketCompiler`,
+        fullgraph; attention and the KV write stay opaque custom ops, so the
+        caches are written in place) and capture the compiled code. Steps with
+        no key run the uncompiled forward. After a full `capture()` any
+        further compile raises RecompileError.
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
@@ -98,13 +105,14 @@ class GraphRunner:
                  static_input_names: Sequence[str] = STATIC_INPUTS,
                  builder: AttentionBuilder | None = None, on_missing: str = "eager",
                  profiler: StageProfiler | None = None,
-                 dispatcher: GraphDispatcher | None = None) -> None:
+                 dispatcher: GraphDispatcher | None = None, compile: bool = False) -> None:
         bad = set(static_input_names) - set(STATIC_INPUTS)
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
                              f"{STATIC_INPUTS}")
         spec = get_backend(backend)
         self.forward = forward
+        self.compiler = BucketCompiler(forward) if compile else None
         self.state = state
         self.policy = policy or BucketPolicy()
         self.static_input_names = tuple(static_input_names)
@@ -166,7 +174,8 @@ class GraphRunner:
         if "positions" in self.static_input_names:
             inputs["positions"] = batch.positions
         last = (batch.query_start_loc[1:] - 1).clamp(min=0)
-        logits = self.forward(inputs, meta)[last]
+        forward = self.forward if self.compiler is None or key is None else self.compiler
+        logits = forward(inputs, meta)[last]
         sampled = logits.argmax(-1)
         seq = batch.seq_lens.long()
         done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
@@ -199,8 +208,11 @@ class GraphRunner:
             return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
 
         with self.profiler.range("capture"):
-            return self.graphs.capture(self.dispatcher.all_keys() if keys is None else keys,
-                                       make_inputs, progress=progress)
+            report = self.graphs.capture(self.dispatcher.all_keys() if keys is None else keys,
+                                         make_inputs, progress=progress)
+        if self.compiler is not None and keys is None:
+            self.compiler.freeze()
+        return report
 
     def dummy_run(self, key: GraphKey) -> None:
         """Replay `key` with every row padded (slot -1, length 0): a DP rank with no work."""

@@ -50,6 +50,8 @@ class BucketCompiler:
     max_compiles : int
         Dynamo's recompile limit is raised to this, and hitting it fails
         instead of silently running eager.
+    fullgraph : bool
+        Refuse graph breaks (the whole function must compile to one graph).
     options : dict, optional
         Inductor options; "triton.cudagraphs" is forced off.
 
@@ -66,6 +68,7 @@ class BucketCompiler:
         dynamic: bool = False,
         max_compiles: int = 256,
         options: dict[str, Any] | None = None,
+        fullgraph: bool = True,
     ) -> None:
         self.num_compiles = 0
         self.frozen = False
@@ -74,7 +77,8 @@ class BucketCompiler:
         self._options = dict(options or {})
         if backend == "inductor":
             self._options["triton.cudagraphs"] = False
-        self._compiled = torch.compile(fn, backend=self._backend, dynamic=dynamic)
+        self._compiled = torch.compile(fn, backend=self._backend, dynamic=dynamic,
+                                       fullgraph=fullgraph)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.frozen:

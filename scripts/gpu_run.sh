@@ -1,30 +1,43 @@
 #!/usr/bin/env bash
-# One GPU session: CUDA tests + benchmarks, results under $OUT (the lent H200).
-# Usage: bash scripts/gpu_run.sh [tests|decode|tests+decode|bench|all]
-#   tests: pytest -m cuda; decode: bench.graph_replay without the compile baseline;
-#   bench: the whole suite (python -m bench); all: tests then the suite.
+# One GPU call on the lent H200: CUDA tests and/or benchmarks, everything under $OUT.
+# Usage: bash scripts/gpu_run.sh PART [PART ...]
+#   tests          pytest -m cuda (cuda_tests.txt)
+#   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
+#   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
+#   suite          python -m bench (the other scenarios)
+# Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
-what=${1:-all}
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1 \
+  || { cat "$OUT/install.txt"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } | tee "$OUT/env.txt"
 rc=0
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests+decode ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest tests -m cuda -p no:cacheprovider -v -rfEs \
-    --durations=15 2>&1 | tee "$OUT/cuda_tests.txt"
-  rc=${PIPESTATUS[0]}
-fi
-if [ "$what" = decode ] || [ "$what" = tests+decode ]; then
-  python3 -m bench.graph_replay --no-compile 2>&1 | tee "$OUT/graph_replay.txt"
-  rc=$((rc | PIPESTATUS[0]))
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench_log.txt"
-  rc=$((rc | PIPESTATUS[0]))
-fi
+for part in "$@"; do
+  case $part in
+    tests)
+      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -m cuda -p no:cacheprovider -q -rfEs \
+        --durations=10 2>&1 | tee "$OUT/cuda_tests.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    replay-*)
+      m=${part#replay-}
+      python3 -m bench.graph_replay --models "$m" --steps "${STEPS:-100}" --out "$OUT" \
+        --modes graphattn_graphs,graphattn_compiled_graphs,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor \
+        2>&1 | tee "$OUT/graph_replay_$m.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    compile-*)
+      m=${part#compile-}
+      python3 -m bench.compile_baseline --model "$m" --steps "${STEPS:-100}" 2>&1 \
+        | tee "$OUT/compile_$m.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    suite)
+      python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench_log.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    *) echo "unknown part $part"; rc=1 ;;
+  esac
+done
 exit $rc

@@ -133,6 +133,8 @@ def grouped_attention(
     key_hi: torch.Tensor,
     key_lo: torch.Tensor | None = None,
     scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over per-group keys with key windows.
 
@@ -151,6 +153,10 @@ def grouped_attention(
         int [B, N].
     scale : float, optional
         Default D ** -0.5.
+    softcap : float
+        Scores become ``softcap * tanh(scores / softcap)`` (0: unchanged).
+    sinks : torch.Tensor, optional
+        [H] per-head sink logits: each softmax denominator gains exp(sink).
 
     Returns
     -------
@@ -167,6 +173,8 @@ def grouped_attention(
     scale = d ** -0.5 if scale is None else scale
     qg = rearrange(q.to(cdt), "b n (k g) d -> b k g n d", k=hkv)
     scores = torch.einsum("bkgnd,blkd->bkgnl", qg, k.to(cdt)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(k.shape[1], device=q.device)
     mask = pos < key_hi.unsqueeze(-1)
     if key_lo is not None:
@@ -174,9 +182,15 @@ def grouped_attention(
     mask = mask[:, None, None]
     scores = scores.masked_fill(~mask, float("-inf"))
     m = scores.amax(-1, keepdim=True)
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(cdt).view(1, hkv, h // hkv, 1, 1)
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m)
     s = p.sum(-1, keepdim=True)
+    if sink is not None:
+        s = s + torch.exp(sink - m)
     out = torch.einsum("bkgnl,blkd->bkgnd", p, v.to(cdt)) / s.clamp_min(torch.finfo(cdt).tiny)
     lse = (torch.log(s) + m).squeeze(-1)
     out = rearrange(out, "b k g n d -> b n (k g) d").to(q.dtype)

@@ -24,7 +24,6 @@ from graphattn.backends.kernels import (
 from graphattn.backends.paged import (
     PagedAttentionBuilder,
     PagedAttentionMetadata,
-    paged_attention,
     paged_tensors,
 )
 from graphattn.keys import GraphKey
@@ -108,9 +107,14 @@ class MLAImpl:
     ----------
     num_heads, kv_lora_rank, rope_dim : int
     scale : float
+    kernel : str
+        Kernel of the decode rows (`graphattn.backends.ops`; the latent cache is
+        one KV head whose first kv_lora_rank dims are the values).
     """
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
+                 kernel: str = "auto") -> None:
+        self.kernel = kernel
         self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
@@ -138,7 +142,12 @@ class MLAImpl:
         ndt = meta.num_decode_tokens
         outs = []
         if meta.num_decodes:
-            outs.append(paged_attention(q[:ndt], kv_cache, values, meta, self.scale))
+            nd = meta.num_decodes
+            outs.append(torch.ops.graphattn.paged_attention(
+                q[:ndt], kv_cache, values, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
+                meta.block_table[:nd], meta.slot_mapping[:ndt], self.scale, nd,
+                meta.decode_query_len, meta.num_kv_blocks, meta.max_len, 0, 0.0, None,
+                self.kernel))
         n_pre = 0
         if meta.num_prefills:
             o = self._prefill(q, kv_cache, meta)

@@ -8,14 +8,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from graphattn.backends.kernels import (
-    block_count,
-    gather_paged,
-    grouped_attention,
-    token_positions,
-    token_request_index,
-    write_to_cache,
-)
+from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
+from graphattn.backends.kernels import block_count
+from graphattn.backends.ops import KERNELS
 from graphattn.backends.registry import BackendMetadata, PadValue
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -172,20 +167,43 @@ class PagedAttentionBuilder:
 class PagedAttentionImpl:
     """Writes K/V into the paged cache, then attends (fixed shapes for a plan).
 
+    Both steps are the registered custom ops of `graphattn.backends.ops`, so a
+    torch.compile'd model keeps them opaque and writes the caches in place.
+
     Parameters
     ----------
     num_heads, head_dim, num_kv_heads : int
     scale : float, optional
+        Default head_dim ** -0.5.
+    window : int
+        Sliding window (keys > position - window are seen); 0: full causal.
+    softcap : float
+        Attention logit soft cap; 0: none.
+    sinks : torch.Tensor, optional
+        [num_heads] learned sink logits.
+    kernel : {"auto", "triton", "varlen", "torch"}
+        See `graphattn.backends.ops`; "auto" is Triton on CUDA, torch elsewhere.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None, kernel: str = "auto") -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads or num_heads
         if num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of {self.num_kv_heads}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel = {kernel!r}, expected one of {KERNELS}")
+        if window < 0 or softcap < 0:
+            raise ValueError(f"window = {window} and softcap = {softcap} must be >= 0")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected ({num_heads},)")
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = int(window)
+        self.softcap = float(softcap)
+        self.sinks = sinks
+        self.kernel = kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -205,39 +223,17 @@ class PagedAttentionImpl:
             [T, H, D]; padded tokens give 0.
         """
         k_cache, v_cache = kv_cache
-        write_to_cache(k_cache, meta.slot_mapping, k)
-        write_to_cache(v_cache, meta.slot_mapping, v)
-        return paged_attention(q, k_cache, v_cache, meta, self.scale)
+        torch.ops.graphattn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kernel)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
+                               self.sinks, self.kernel)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention over what the cache holds (used by paged and reused by MLA decode)."""
-    t_total = q.shape[0]
-    nd, ndt, qd, nb = (meta.num_decodes, meta.num_decode_tokens, meta.decode_query_len,
-                       meta.num_kv_blocks)
-    outs = []
-    if nd:
-        kc = gather_paged(k_cache, meta.block_table[:nd], nb)
-        vc = gather_paged(v_cache, meta.block_table[:nd], nb)
-        j = torch.arange(qd, device=q.device)
-        hi = (meta.seq_lens[:nd, None] - qd + 1 + j).clamp_(min=0)
-        o, _ = grouped_attention(q[:ndt].reshape(nd, qd, *q.shape[1:]), kc, vc, hi, scale=scale)
-        outs.append(o.reshape(ndt, q.shape[1], v_cache.shape[-1]))
-    rows = meta.block_table.shape[0] - nd
-    if t_total > ndt:
-        if rows == 0:
-            outs.append(q.new_zeros(t_total - ndt, q.shape[1], v_cache.shape[-1]))
-        else:
-            qsl = meta.query_start_loc[nd:] - ndt
-            req = token_request_index(qsl, t_total - ndt)
-            pos = token_positions(qsl, meta.seq_lens[nd:], req)
-            valid = meta.slot_mapping[ndt:t_total] >= 0
-            hi = torch.where(valid, pos + 1, torch.zeros_like(pos))
-            kc = gather_paged(k_cache, meta.block_table[nd:], nb)[req]
-            vc = gather_paged(v_cache, meta.block_table[nd:], nb)[req]
-            o, _ = grouped_attention(q[ndt:].unsqueeze(1), kc, vc, hi.unsqueeze(1), scale=scale)
-            outs.append(o.squeeze(1))
-    if not outs:
-        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+                    meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    kernel: str = "auto") -> torch.Tensor:
+    """Attention over what the cache holds (``torch.ops.graphattn.paged_attention`` of `meta`)."""
+    return torch.ops.graphattn.paged_attention(
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+        meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.num_kv_blocks,
+        meta.max_len, window, softcap, sinks, kernel)

@@ -11,7 +11,7 @@ from torch import nn
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 
-__all__ = ["TinyConfig", "TinyDecoder"]
+__all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +36,25 @@ class TinyConfig:
         return self.hidden_size // self.num_heads
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+def rope_cos_sin(positions: torch.Tensor, head_dim: int,
+                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [T, 1, head_dim / 2] cos and sin of the rotary angles at `positions` [T]."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                        dtype=torch.float32) / head_dim))
     ang = positions.float()[:, None] * inv[None]
-    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    return ang.cos()[:, None], ang.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of x [T, heads, D] by the angles of `rope_cos_sin`."""
+    d = x.shape[-1]
     x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, D] at `positions` [T]."""
+    return apply_rope(x, *rope_cos_sin(positions, x.shape[-1], theta))
 
 
 class _Layer(nn.Module):
@@ -57,12 +69,12 @@ class _Layer(nn.Module):
         self.up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x, positions, attn, impl, cache):
+    def forward(self, x, rot, attn, impl, cache):
         cfg, d = self.cfg, self.cfg.head_dim
         q, k, v = self.qkv(self.norm1(x)).split(
             [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1)
-        q = _rope(q.view(-1, cfg.num_heads, d), positions, cfg.rope_theta)
-        k = _rope(k.view(-1, cfg.num_kv_heads, d), positions, cfg.rope_theta)
+        q = apply_rope(q.view(-1, cfg.num_heads, d), *rot)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, d), *rot)
         a = impl.forward(q, k, v.view(-1, cfg.num_kv_heads, d), cache, attn)
         x = x + self.o(a.flatten(1))
         g, u = self.up(self.norm2(x)).chunk(2, -1)
@@ -108,8 +120,9 @@ class TinyDecoder(nn.Module):
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         x = self.embed(inputs["input_ids"])
+        rot = rope_cos_sin(inputs["positions"], self.cfg.head_dim, self.cfg.rope_theta)
         for layer, cache in zip(self.layers, self.caches, strict=True):
-            x = layer(x, inputs["positions"], attn_metadata, self.impl, cache)
+            x = layer(x, rot, attn_metadata, self.impl, cache)
         return self.lm_head(self.norm(x))
 
     @torch.inference_mode()
@@ -122,8 +135,8 @@ class TinyDecoder(nn.Module):
         for layer in self.layers:
             q, k, v = layer.qkv(layer.norm1(x)).split(
                 [c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], -1)
-            q = _rope(q.view(-1, c.num_heads, d), pos, c.rope_theta).transpose(0, 1)
-            k = _rope(k.view(-1, c.num_kv_heads, d), pos, c.rope_theta).transpose(0, 1)
+            q = rope(q.view(-1, c.num_heads, d), pos, c.rope_theta).transpose(0, 1)
+            k = rope(k.view(-1, c.num_kv_heads, d), pos, c.rope_theta).transpose(0, 1)
             v = v.view(-1, c.num_kv_heads, d).transpose(0, 1)
             rep = c.num_heads // c.num_kv_heads
             a = nn.functional.scaled_dot_product_attention(

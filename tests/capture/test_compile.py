@@ -103,3 +103,39 @@ def test_compiled_forward_writing_kv_in_place_is_captured(device):
         for c, e in zip(caches, ref_caches, strict=True):  # the in-place write happened
             torch.testing.assert_close(c[:-1], e[:-1])
     assert compiled.num_compiles == 2  # no steady-state recompile
+
+
+def test_runner_compile_writes_caches_in_place_with_no_recompile():
+    """GraphRunner(compile=True): inductor code calls the write_kv custom op on the cache
+    buffers themselves (no copy of any cache), and steady-state steps never recompile."""
+    import numpy as np
+    from torch._inductor.utils import run_and_get_code
+
+    from graphattn.buckets import BucketPolicy
+    from graphattn.capture.runner import GraphRunner
+    from graphattn.models.tiny import TinyConfig, TinyDecoder
+    from graphattn.state import RequestState, SchedulerOutput
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2))
+    st = RequestState(2, 32, 8)
+    model.allocate_caches(8, 8)
+    runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2,),
+                                                        length_boundaries=(16,)), compile=True)
+    report, codes = run_and_get_code(runner.capture, progress=False)
+    assert report.num_graphs == 2 and runner.compiler.num_compiles == 2
+    code = "\n".join(codes)
+    assert code.count("torch.ops.graphattn.write_kv.default(") == 2 * 2  # 2 layers x 2 keys
+    assert "index_copy" not in code and ".copy_(" not in code  # no cache is copied
+    seq = {runner.add_request("a", [3, 1, 4]): [3, 1, 4], runner.add_request("b", [5, 9]): [5, 9]}
+    slots = np.array(sorted(seq), np.int32)
+    sched = SchedulerOutput(slots, np.array([len(seq[s]) for s in slots]))
+    for _ in range(5):
+        out = runner.step(sched)  # prefill runs eagerly: no key; decodes replay compiled code
+        for j, s in enumerate(slots):
+            ref = model.reference_logits(torch.tensor(seq[s]))[-1]
+            torch.testing.assert_close(out.logits[j], ref, rtol=1e-4, atol=1e-4)
+            seq[s].append(int(out.sampled[j]))
+        sched = SchedulerOutput(slots, np.ones(2, np.int32))
+    assert runner.compiler.num_compiles == 2

@@ -11,14 +11,25 @@ from graphattn.state import RequestState
 from graphattn.workload import SyntheticScheduler, WorkloadConfig
 
 
-def dense_attention(q, k, v, scale):
-    """float64 reference: q [H, D] over k [L, Hkv, D], v [L, Hkv, Dv] -> [H, Dv]."""
+def dense_attention(q, k, v, scale, window=0, softcap=0.0, sinks=None):
+    """float64 reference: q [H, D] at the last position over k [L, Hkv, D], v [L, Hkv, Dv].
+
+    window: only the last `window` keys; softcap: cap * tanh(s / cap); sinks [H]: an
+    extra logit per head in the softmax that carries no value. Returns [H, Dv].
+    """
     h, hkv = q.shape[0], k.shape[1]
+    if window > 0:
+        k, v = k[-window:], v[-window:]
     if k.shape[0] == 0:
         return torch.zeros(h, v.shape[-1], dtype=torch.float64)
     kk = k.repeat_interleave(h // hkv, dim=1)
     vv = v.repeat_interleave(h // hkv, dim=1)
     s = torch.einsum("hd,lhd->hl", q.double(), kk.double()) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().cpu()[:, None]], 1)
+        return torch.einsum("hl,lhd->hd", s.softmax(-1)[:, :-1], vv.double())
     return torch.einsum("hl,lhd->hd", s.softmax(-1), vv.double())
 
 

@@ -1,0 +1,310 @@
+"""Attention and the KV-cache write as registered custom ops (torch.library).
+
+``torch.ops.graphattn.paged_attention`` and ``torch.ops.graphattn.write_kv``
+are opaque to torch.compile (fake implementations give the shapes), so a
+compiled forward keeps them as single calls: the caches are mutated in place
+by `write_kv` (declared in ``mutates_args``) and never copied. The piecewise
+mode splits compiled graphs at these ops.
+
+Kernels, chosen per call from the device and the `kernel` argument (CPU
+strings only):
+
+- ``"triton"``: `graphattn.backends.triton_kernels` (CUDA; Triton ships with
+  every CUDA build of torch and is imported on first use).
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` with ``block_table``
+  and ``seqused_k`` where the installed torch has them (feature-detected).
+- ``"torch"``: the plain-torch path of `graphattn.backends.kernels`, the
+  float64-capable reference and the CPU path.
+- ``"auto"``: triton on CUDA when Triton imports, else torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from graphattn.backends.kernels import grouped_attention, token_positions, token_request_index
+
+__all__ = ["KERNELS", "gather_paged_attention", "has_triton", "has_varlen_paged",
+           "resolve_kernel", "split_plan"]
+
+KERNELS = ("auto", "triton", "varlen", "torch")
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Triton imports and a CUDA device exists."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def has_varlen_paged() -> bool:
+    """The installed torch has varlen_attn with block_table / seqused_k."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    params = inspect.signature(varlen_attn).parameters
+    return "block_table" in params and "seqused_k" in params
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel a call on `device` runs ("auto" resolved); ValueError when unavailable."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}, expected one of {KERNELS}")
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and has_triton() else "torch"
+    if kernel == "triton" and not (device.type == "cuda" and has_triton()):
+        raise ValueError(f"kernel 'triton' needs CUDA and Triton; device is {device.type}")
+    if kernel == "varlen" and not (device.type == "cuda" and has_varlen_paged()):
+        raise ValueError(
+            f"kernel 'varlen' needs CUDA and torch.nn.attention.varlen.varlen_attn with "
+            f"block_table (torch {torch.__version__}, device {device.type})"
+        )
+    return kernel
+
+
+def split_plan(rows: int, num_kv_heads: int, max_len: int, block_n: int,
+               num_sms: int = 132) -> tuple[int, int]:
+    """(num_splits, split_len) of the KV axis from CPU numbers only.
+
+    Enough programs to fill about two waves of the chip, each split at least
+    `block_n` keys long (split_len a multiple of block_n).
+    """
+    max_len = max(max_len, 1)
+    want = max(1, -(-2 * num_sms // max(rows * num_kv_heads, 1)))
+    most = max(1, -(-max_len // block_n))
+    splits = min(want, most, 64)
+    split_len = -(-max_len // (splits * block_n)) * block_n
+    return -(-max_len // split_len), split_len
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def gather_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                           num_decodes: int, decode_query_len: int, num_kv_blocks: int,
+                           window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch paged attention (reference and CPU path); see `paged_attention`."""
+    from graphattn.backends.kernels import gather_paged
+
+    t_total = q.shape[0]
+    nd, qd, nb = num_decodes, decode_query_len, num_kv_blocks
+    ndt = nd * qd
+    extra = dict(scale=scale, softcap=softcap, sinks=sinks)
+    outs = []
+    if nd:
+        kc = gather_paged(k_cache, block_table[:nd], nb)
+        vc = gather_paged(v_cache, block_table[:nd], nb)
+        j = torch.arange(qd, device=q.device)
+        hi = (seq_lens[:nd, None] - qd + 1 + j).clamp_(min=0)
+        lo = (hi - window).clamp_(min=0) if window > 0 else None
+        o, _ = grouped_attention(q[:ndt].reshape(nd, qd, *q.shape[1:]), kc, vc, hi, lo, **extra)
+        outs.append(o.reshape(ndt, q.shape[1], v_cache.shape[-1]))
+    rows = block_table.shape[0] - nd
+    if t_total > ndt:
+        if rows == 0:
+            outs.append(q.new_zeros(t_total - ndt, q.shape[1], v_cache.shape[-1]))
+        else:
+            qsl = query_start_loc[nd:] - ndt
+            req = token_request_index(qsl, t_total - ndt)
+            pos = token_positions(qsl, seq_lens[nd:], req)
+            valid = slot_mapping[ndt:t_total] >= 0
+            hi = torch.where(valid, pos + 1, torch.zeros_like(pos))
+            lo = (hi - window).clamp_(min=0).unsqueeze(1) if window > 0 else None
+            kc = gather_paged(k_cache, block_table[nd:], nb)[req]
+            vc = gather_paged(v_cache, block_table[nd:], nb)[req]
+            o, _ = grouped_attention(q[ndt:].unsqueeze(1), kc, vc, hi.unsqueeze(1), lo, **extra)
+            outs.append(o.squeeze(1))
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, scale: float, uniform_query_len: int,
+                      max_len: int, window: int, softcap: float,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+    from graphattn.backends.triton_kernels import merge_splits_kernel, unified_attention_kernel
+
+    t, h, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    g = h // hkv
+    rows = block_table.shape[0]
+    out = q.new_zeros(t, h, dv)
+    if t == 0 or rows == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if uniform_query_len:  # one tile per row
+        block_q = _pow2(uniform_query_len)
+    else:
+        block_q = max(1, 64 // _pow2(g))
+    block_m = max(16, _pow2(block_q * g))
+    block_n = 64 if max(d, dv) <= 128 else 32
+    num_tiles = t // block_q + rows
+    num_splits, split_len = split_plan(rows, hkv, max_len, block_n,
+                                       _num_sms(q.device)) if uniform_query_len else (
+        1, max(max_len, 1))
+    use_sinks = sinks is not None
+    sink_arg = sinks if use_sinks else out
+    common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)),
+                  DV_PAD=max(16, _pow2(dv)), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+                  PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0,
+                  USE_WINDOW=window > 0, USE_SINKS=use_sinks, WRITE_LSE=False,
+                  num_warps=4, num_stages=2)
+    if num_splits == 1:
+        part, part_lse = out, out
+    else:
+        part = torch.empty(t * h * num_splits, common["DV_PAD"], dtype=torch.float32,
+                           device=q.device)
+        # splits no program writes (padded tokens) keep -inf and merge to 0
+        part_lse = torch.full((t * h * num_splits,), float("-inf"), dtype=torch.float32,
+                              device=q.device)
+    unified_attention_kernel[(num_tiles, hkv, num_splits)](
+        out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        sink_arg, scale, softcap if softcap > 0 else 1.0, window, split_len, rows, h,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1), **common)
+    if num_splits > 1:
+        merge_splits_kernel[(t, h)](
+            out, out, part, part_lse, sink_arg, h, out.stride(0), out.stride(1),
+            HEAD_DIM_V=dv, DV_PAD=common["DV_PAD"], NUM_SPLITS=num_splits,
+            S_PAD=max(2, _pow2(num_splits)), USE_SINKS=use_sinks, WRITE_LSE=False, num_warps=4)
+    return out
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, scale: float, max_len: int,
+                      window: int) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    max_q = q.shape[0]  # an upper bound from CPU numbers
+    return varlen_attn(q, k_cache, v_cache, query_start_loc, None, max_q, max(max_len, 1),
+                       scale=scale, window_size=(window - 1 if window > 0 else -1, 0),
+                       enable_gqa=True, seqused_k=seq_lens, block_table=block_table)
+
+
+@torch.library.custom_op("graphattn::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                    num_decodes: int, decode_query_len: int, num_kv_blocks: int, max_len: int,
+                    window: int, softcap: float, sinks: torch.Tensor | None,
+                    kernel: str) -> torch.Tensor:
+    """Causal attention of each query token over its row's paged KV (no host reads).
+
+    Parameters
+    ----------
+    q : [T, H, D]
+        T = tokens of the (padded) batch; rows own contiguous token ranges.
+    k_cache, v_cache : [num_blocks (+ sink), block_size, Hkv, D] and [..., Dv]
+    query_start_loc : int32 [rows + 1]; seq_lens : int32 [rows] (true lengths, device)
+    block_table : int32 [rows, max_blocks]; slot_mapping : int64 [T] (-1: padded token)
+    scale : float
+    num_decodes, decode_query_len : int
+        The first `num_decodes` rows have exactly `decode_query_len` tokens
+        (all rows of a uniform key); picks the tile shape.
+    num_kv_blocks, max_len : int
+        Upper bounds (key's bucket) of the blocks / positions any row reads.
+    window : int
+        Sliding window (a query at p sees keys > p - window); 0: none.
+    softcap : float
+        Logit soft cap (cap * tanh(s / cap)); 0: none.
+    sinks : [H] float, optional
+        Learned per-head sink logits added to each softmax denominator.
+    kernel : str
+        See the module docstring.
+
+    Returns
+    -------
+    torch.Tensor
+        [T, H, Dv] in q's dtype; 0 for padded tokens.
+    """
+    kind = resolve_kernel(kernel, q.device)
+    rows = block_table.shape[0]
+    if kind == "triton":
+        uniform = decode_query_len if num_decodes == rows and rows else 0
+        return _triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                 scale, uniform, max_len, window, softcap, sinks)
+    if kind == "varlen":
+        if softcap > 0 or sinks is not None:
+            raise ValueError("kernel 'varlen' supports neither softcap nor sinks")
+        return _varlen_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                 scale, max_len, window)
+    return gather_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                  slot_mapping, scale, num_decodes, decode_query_len,
+                                  num_kv_blocks, window, softcap, sinks)
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+      num_decodes, decode_query_len, num_kv_blocks, max_len, window, softcap, sinks, kernel):
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
+@torch.library.custom_op("graphattn::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, kernel: str) -> None:
+    """Write token t's K/V into slot ``slot_mapping[t]`` of the caches, in place.
+
+    Parameters
+    ----------
+    k, v : [T, Hkv, D] and [T, Hkv, Dv]
+    k_cache, v_cache : [num_blocks + 1, block_size, Hkv, D] (last block: sink)
+    slot_mapping : int64 [>= T]; -1 (padded token): the sink (torch) or no write (triton).
+    kernel : str
+        "triton" on CUDA writes K and V in one launch; otherwise index_copy_.
+    """
+    from graphattn.backends.kernels import write_to_cache
+
+    if resolve_kernel(kernel, k.device) != "triton":
+        write_to_cache(k_cache, slot_mapping, k)
+        write_to_cache(v_cache, slot_mapping, v)
+        return
+    from graphattn.backends.triton_kernels import write_kv_kernel
+
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv with kernel 'triton' needs contiguous caches")
+    t = k.shape[0]
+    if t == 0:
+        return
+    k = k.reshape(t, -1)
+    v = v.reshape(t, -1)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    row_k, row_v = k.shape[1], v.shape[1]
+    write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                          k_cache.stride(1), v_cache.stride(1), ROW_K=row_k, ROW_V=row_v,
+                          BLOCK=min(1024, _pow2(max(row_k, row_v))), num_warps=4)
+
+
+@write_kv.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, kernel):
+    return None

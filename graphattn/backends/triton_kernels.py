@@ -1,0 +1,202 @@
+"""Triton kernels for paged attention (CUDA only; imported lazily by `graphattn.backends.ops`).
+
+One unified kernel serves decode, spec-decode verify and prefill rows in any
+mix: a program owns a tile of BLOCK_Q query tokens of one row times the G
+query heads of one KV head (GQA is packed into the M axis of the tile), reads
+K/V straight through the block table in the cache dtype, accumulates in
+fp32 with an online softmax, and optionally splits the KV axis into
+NUM_SPLITS segments merged by their log-sum-exp.
+
+Every launch parameter (grid, tile sizes, splits) comes from CPU numbers
+(padded sizes and the key's length bucket); the loop bounds come from the
+device `seq_lens`, so an over-estimating bound costs grid, never bytes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["merge_splits_kernel", "unified_attention_kernel", "write_kv_kernel"]
+
+
+@triton.jit
+def _find_row(query_start_loc, num_rows, tile, BLOCK_Q: tl.constexpr):
+    """Row whose tiles hold `tile` (tile r's first index is qsl[r] // BLOCK_Q + r)."""
+    lo = 0
+    hi = num_rows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if start <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def unified_attention_kernel(
+    out, lse_out, part_out, part_lse,
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
+    scale, softcap, window, split_len,
+    num_rows, num_heads,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = _find_row(query_start_loc, num_rows, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc + row)
+    q_len = tl.load(query_start_loc + row + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + row)
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + row)
+    ctx = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t = local * BLOCK_Q + offs_m // G  # query token of the row
+    g = offs_m % G
+    head = kvh * G + g
+    m_ok = (offs_m < BLOCK_Q * G) & (t < q_len)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    tok = q_start + t
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    pos = ctx + t  # causal: query at position pos sees keys [lo, pos]
+    kv_hi = tl.minimum(ctx + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len), seq_len)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
+    seg_lo = split * split_len
+    seg_hi = seg_lo + split_len
+    start = tl.maximum(kv_lo, seg_lo) // BLOCK_N * BLOCK_N
+    stop = tl.minimum(kv_hi, seg_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # log2(e)
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < stop) & (offs_n >= seg_lo)
+        page = tl.load(block_table + row * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        slot = offs_n % PAGE
+        kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
+                     + kvh * stride_kh + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(qv, kt)
+        if USE_SOFTCAP:
+            x = s * (scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        vis = m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            vis = vis & (offs_n[None, :] > pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                     + kvh * stride_vh + offs_dv[None, :],
+                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
+
+    # m_i, l_i are in log2 units from here on
+    if NUM_SPLITS == 1:
+        if USE_SINKS:
+            sink = tl.load(sinks + head, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+            m_tot = tl.maximum(m_i, sink)
+            m_tot = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+            l_i = l_i * tl.exp2(m_i - m_tot) + tl.exp2(sink - m_tot)
+            acc = acc * tl.exp2(m_i - m_tot)[:, None]
+            m_i = m_tot
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
+        if WRITE_LSE:
+            lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+            tl.store(lse_out + tok * num_heads + head, lse, mask=m_ok)
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        base = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
+                 mask=m_ok[:, None] & dv_ok[None, :])
+        tl.store(part_lse + base, lse2, mask=m_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out, lse_out, part_out, part_lse, sinks, num_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr, USE_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """out[t, h] = the splits of (t, h) weighted by their softmax mass (+ the head's sink)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, DV_PAD)
+    base = (t * num_heads + h) * NUM_SPLITS
+    lse = tl.load(part_lse + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks + h) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    if USE_SINKS:
+        total += tl.exp2(sink - m)
+    written = (offs_s < NUM_SPLITS) & (lse > float("-inf"))
+    o = tl.load(part_out + (base + offs_s[:, None]) * DV_PAD + offs_d[None, :],
+                mask=written[:, None] & (offs_d[None, :] < HEAD_DIM_V), other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + t * stride_ot + h * stride_oh + offs_d, res.to(out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM_V)
+    if WRITE_LSE:
+        val = tl.where(total > 0, (m + tl.log2(total)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_out + t * num_heads + h, val)
+
+
+@triton.jit
+def write_kv_kernel(
+    k, v, k_cache, v_cache, slot_mapping,
+    stride_kt, stride_vt, stride_kcs, stride_vcs,
+    ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t] (all heads); slot < 0: no write."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t)
+    if slot < 0:
+        return
+    for i in range(0, ROW_K, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        ok = offs < ROW_K
+        x = tl.load(k + t * stride_kt + offs, mask=ok)
+        tl.store(k_cache + slot * stride_kcs + offs, x.to(k_cache.dtype.element_ty), mask=ok)
+    for i in range(0, ROW_V, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        ok = offs < ROW_V
+        x = tl.load(v + t * stride_vt + offs, mask=ok)
+        tl.store(v_cache + slot * stride_vcs + offs, x.to(v_cache.dtype.element_ty), mask=ok)
