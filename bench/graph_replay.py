@@ -36,7 +36,8 @@ from graphattn.state import SchedulerOutput
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
-MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, "replay_floor")
+MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, "replay_floor",
+         "attention")
 
 
 def hbm_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
@@ -133,15 +134,18 @@ def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengt
     return rows
 
 
-def handwritten_rows(model, cfg, sizes, lengths, steps, bw, wbytes, rng) -> list[dict]:
+def handwritten_rows(model, cfg, sizes, lengths, steps, bw, wbytes, rng,
+                     modes: tuple[str, ...]) -> list[dict]:
     from bench.handwritten import HandwrittenDecode
 
     rows = []
     for mode, compile_mode in HANDWRITTEN.items():
+        if mode not in modes:
+            continue
         for length in lengths:
             max_len = -(-(length + 16 + 2 * (WARMUP + steps)) // 128) * 128
             for n in sizes:
-                lens = torch.from_numpy(rng.integers(length - 16, length + 16, n)).cuda()
+                lens = torch.from_numpy(rng.integers(length - 16, length + 16, n)).to("cuda")
                 t0 = time.perf_counter()
                 hw = HandwrittenDecode(model, n, max_len, compile_mode)
                 hw.capture(lens)
@@ -203,48 +207,62 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     return rows
 
 
+GROUPS = (("graphattn_graphs", "replay_floor"), ("graphattn_compiled_graphs",),
+          ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
+
+
+def _error(mode: str, e: BaseException) -> dict:
+    import traceback
+
+    return {"mode": mode, "error": f"{type(e).__name__}: {e}"[:300],
+            "traceback": traceback.format_exc()[-1200:]}
+
+
 def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps: int,
-              modes: tuple[str, ...]) -> list[dict]:
+              modes: tuple[str, ...], emit) -> None:
+    """Rows of `modes` for one model, each passed to `emit` as soon as it exists."""
     cfg = MODELS[name]
     bw = hbm_bandwidth()
     torch.cuda.empty_cache()
+
+    def out(rows: list[dict]) -> None:
+        for r in rows:
+            r.update(model=name, hbm_tbps=bw / 1e12)
+            if "us_step" in r and "floor_us" in r:
+                r["x_floor"] = r["us_step"] / r["floor_us"]
+            emit(r)
+
     max_len = max(lengths) + 16 + 2 * (WARMUP + steps) + 64
     bounds = tuple(sorted({1 << (x + 16 + 2 * (WARMUP + steps)).bit_length() for x in lengths}))
     policy = BucketPolicy(capture_sizes=tuple(sorted(sizes)),
                           length_boundaries=tuple(b for b in bounds if b < max_len))
+    # built outside inference mode: inductor cannot compile over inference-tensor weights
     setup = make_setup("cuda", max(sizes), max_len, policy, cfg)
-    rng = np.random.default_rng(0)
-    fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32), rng)
+    fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32), np.random.default_rng(0))
     wbytes = weight_bytes(setup.model)
-    rows: list[dict] = []
     with torch.inference_mode():
         for mode in RUNNER_MODES:
             if mode not in modes:
                 continue
-            runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
-                setup.model, setup.state, policy=policy, compile=True)
             try:
+                runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
+                    setup.model, setup.state, policy=policy, compile=True)
                 report = runner.capture(progress=False)
-                rows += runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
-                                    wbytes, np.random.default_rng(1))
+                out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
+                                wbytes, np.random.default_rng(1)))
             except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
-                rows.append({"mode": mode, "error": f"{type(e).__name__}: {e}"[:400]})
-            del runner
-            torch.cuda.empty_cache()
-        setup.runner = None
-        for cache in setup.model.caches:  # the handwritten peers bring their own caches
-            del cache
-        setup.model.caches = []
-        torch.cuda.empty_cache()
+                out([_error(mode, e)])
         if set(HANDWRITTEN) & set(modes):
-            rows += handwritten_rows(setup.model, cfg, sizes, lengths, steps, bw, wbytes,
-                                     np.random.default_rng(1))
-        rows += attention_rows(cfg, max(sizes), max(lengths), bw)
-    for r in rows:
-        r.update(model=name, hbm_tbps=bw / 1e12)
-        if "us_step" in r and "floor_us" in r:
-            r["x_floor"] = r["us_step"] / r["floor_us"]
-    return rows
+            setup.model.caches = []  # the peers bring their own static caches
+            setup.runner = None
+            torch.cuda.empty_cache()
+            try:
+                out(handwritten_rows(setup.model, cfg, sizes, lengths, steps, bw, wbytes,
+                                     np.random.default_rng(1), modes))
+            except Exception as e:  # noqa: BLE001
+                out([_error("handwritten", e)])
+        if "attention" in modes:
+            out(attention_rows(cfg, max(sizes), max(lengths), bw))
 
 
 def compile_rows(name: str, sizes, lengths, steps) -> list[dict]:
@@ -300,20 +318,27 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.graph_replay needs a CUDA GPU")
     if args.model:
-        for r in run_model(args.model, sizes, lengths, args.steps, modes):
-            print("ROW " + json.dumps(r), flush=True)
+        run_model(args.model, sizes, lengths, args.steps, modes,
+                  lambda r: print("ROW " + json.dumps(r), flush=True))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         rows: list[dict] = []
-        cmd = [sys.executable, "-m", "bench.graph_replay", "--model", name, "--sizes",
-               args.sizes, "--lengths", args.lengths, "--steps", str(args.steps),
-               "--modes", args.modes]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        got = [json.loads(x[4:]) for x in proc.stdout.splitlines() if x.startswith("ROW ")]
-        rows += got or [{"model": name, "mode": "all", "error": proc.stderr[-600:]}]
-        print(proc.stderr[-2000:] if proc.returncode else "", file=sys.stderr)
+        for group in GROUPS:  # one process per group: no compile or CUDA state leaks across
+            want = [m for m in group if m in modes]
+            if not want:
+                continue
+            cmd = [sys.executable, "-m", "bench.graph_replay", "--model", name, "--sizes",
+                   args.sizes, "--lengths", args.lengths, "--steps", str(args.steps),
+                   "--modes", ",".join(want)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = [json.loads(x[4:]) for x in proc.stdout.splitlines() if x.startswith("ROW ")]
+            rows += got
+            if proc.returncode:
+                rows.append({"model": name, "mode": ",".join(want), "error": proc.stderr[-800:]})
+            print(f"{name} {','.join(want)}: {len(got)} rows, rc {proc.returncode}",
+                  file=sys.stderr, flush=True)
         if "torch_compile_reduce_overhead" in modes:
             rows += compile_rows(name, sizes, lengths, args.steps)
         meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

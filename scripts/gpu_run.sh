@@ -4,6 +4,7 @@
 #   tests          pytest -m cuda (cuda_tests.txt)
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
+#   tune           scripts/tune_attention.py (launch configs of the Triton kernel)
 #   suite          python -m bench (the other scenarios)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
@@ -20,19 +21,22 @@ rc=0
 for part in "$@"; do
   case $part in
     tests)
-      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -m cuda -p no:cacheprovider -q -rfEs \
+      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -m cuda -p no:cacheprovider -rfEs \
         --durations=10 2>&1 | tee "$OUT/cuda_tests.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     replay-*)
       m=${part#replay-}
-      python3 -m bench.graph_replay --models "$m" --steps "${STEPS:-100}" --out "$OUT" \
-        --modes graphattn_graphs,graphattn_compiled_graphs,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor \
+      python3 -m bench.graph_replay --models "$m" --steps "${STEPS:-100}" --out "$OUT" --sizes "${SIZES:-1,8,32,128}" \
+        --modes "${MODES:-graphattn_graphs,graphattn_compiled_graphs,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor,attention}" \
         2>&1 | tee "$OUT/graph_replay_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     compile-*)
       m=${part#compile-}
       python3 -m bench.compile_baseline --model "$m" --steps "${STEPS:-100}" 2>&1 \
         | tee "$OUT/compile_$m.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    tune)
+      python3 scripts/tune_attention.py --out "$OUT" 2>&1 | tee "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     suite)
       python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench_log.txt"

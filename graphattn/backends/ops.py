@@ -22,15 +22,40 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from graphattn.backends.kernels import grouped_attention, token_positions, token_request_index
 
-__all__ = ["KERNELS", "gather_paged_attention", "has_triton", "has_varlen_paged",
-           "resolve_kernel", "split_plan"]
+__all__ = ["DECODE_CONFIG", "KERNELS", "PREFILL_CONFIG", "TritonConfig",
+           "gather_paged_attention", "has_triton", "has_varlen_paged", "resolve_kernel",
+           "split_plan"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
+
+
+@dataclass(frozen=True, slots=True)
+class TritonConfig:
+    """Launch parameters of the unified kernel (chosen by scripts/tune_attention.py on an H200).
+
+    Attributes
+    ----------
+    block_n : int
+        Keys per inner-loop tile.
+    num_warps, num_stages : int
+    waves : int
+        Split-KV target: programs >= waves x multiprocessors (uniform decode keys only).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 2
+
+
+DECODE_CONFIG = TritonConfig()
+PREFILL_CONFIG = TritonConfig()
 
 
 @functools.cache
@@ -73,14 +98,14 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 
 def split_plan(rows: int, num_kv_heads: int, max_len: int, block_n: int,
-               num_sms: int = 132) -> tuple[int, int]:
+               num_sms: int = 132, waves: int = 2) -> tuple[int, int]:
     """(num_splits, split_len) of the KV axis from CPU numbers only.
 
-    Enough programs to fill about two waves of the chip, each split at least
+    Enough programs to fill about `waves` waves of the chip, each split at least
     `block_n` keys long (split_len a multiple of block_n).
     """
     max_len = max(max_len, 1)
-    want = max(1, -(-2 * num_sms // max(rows * num_kv_heads, 1)))
+    want = max(1, -(-waves * num_sms // max(rows * num_kv_heads, 1)))
     most = max(1, -(-max_len // block_n))
     splits = min(want, most, 64)
     split_len = -(-max_len // (splits * block_n)) * block_n
@@ -137,7 +162,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, scale: float, uniform_query_len: int,
                       max_len: int, window: int, softcap: float,
-                      sinks: torch.Tensor | None) -> torch.Tensor:
+                      sinks: torch.Tensor | None,
+                      config: TritonConfig | None = None) -> torch.Tensor:
     from graphattn.backends.triton_kernels import merge_splits_kernel, unified_attention_kernel
 
     t, h, d = q.shape
@@ -154,18 +180,18 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         block_q = max(1, 64 // _pow2(g))
     block_m = max(16, _pow2(block_q * g))
-    block_n = 64 if max(d, dv) <= 128 else 32
+    cfg = config or (DECODE_CONFIG if uniform_query_len else PREFILL_CONFIG)
+    block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
     num_tiles = t // block_q + rows
-    num_splits, split_len = split_plan(rows, hkv, max_len, block_n,
-                                       _num_sms(q.device)) if uniform_query_len else (
-        1, max(max_len, 1))
+    num_splits, split_len = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
+                                       cfg.waves) if uniform_query_len else (1, max(max_len, 1))
     use_sinks = sinks is not None
     sink_arg = sinks if use_sinks else out
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)),
                   DV_PAD=max(16, _pow2(dv)), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
                   PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0,
                   USE_WINDOW=window > 0, USE_SINKS=use_sinks, WRITE_LSE=False,
-                  num_warps=4, num_stages=2)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits == 1:
         part, part_lse = out, out
     else:

@@ -37,9 +37,9 @@ def run_steps(name, features, device, kernel, dtype, heads=(4, 2), d=16, steps=1
         s, batch, common = sc.next_batch(1, 3)
         t = batch.num_tokens_padded
         q, k, v = sc.rand(t, h, d), sc.rand(t, hkv, d), sc.rand(t, hkv, d)
+        dev = [x.to(device, dtype) for x in (q, k, v)]
         with no_host_sync():
-            out = impl.forward(*(x.to(device, dtype) for x in (q, k, v)), caches,
-                               builder.build(common))
+            out = impl.forward(*dev, caches, builder.build(common))
         n = s.total_num_scheduled_tokens
         # the reference sees what the cache holds (rounded to its dtype)
         sc.record(s, batch, torch.stack([k[:n], v[:n]], 1).to(dtype).double())
