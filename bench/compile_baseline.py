@@ -52,13 +52,7 @@ def main() -> None:
     setup = make_setup("cuda", max(sizes), max_len, policy, cfg)
     fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32),
                   np.random.default_rng(0))
-    plain = type(setup.model).forward.__wrapped__  # without its inference_mode decorator
-
-    def forward(inputs, meta):
-        with torch.no_grad():
-            return plain(setup.model, inputs, meta)
-
-    compiled = torch.compile(forward, mode="reduce-overhead")
+    compiled = torch.compile(setup.model, mode="reduce-overhead")
     runner = GraphRunner(compiled, setup.state, policy=policy)
     wbytes = weight_bytes(setup.model)
     rng = np.random.default_rng(1)

@@ -75,10 +75,17 @@ def graph_nodes(graph: torch.cuda.CUDAGraph | None) -> int | None:
     try:
         from cuda.bindings import runtime
 
-        err, _, count = runtime.cudaGraphGetNodes(graph.raw_cuda_graph(), 0)
-        return int(count) if int(err) == 0 else None
+        raw = graph.raw_cuda_graph()
+        for handle in (raw, runtime.cudaGraph_t(init_value=raw)):
+            try:
+                err, _, count = runtime.cudaGraphGetNodes(handle, 0)
+                if int(err) == 0:
+                    return int(count)
+            except TypeError:
+                continue
     except Exception:  # noqa: BLE001 - an optional column
         return None
+    return None
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -240,29 +247,29 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
     setup = make_setup("cuda", max(sizes), max_len, policy, cfg)
     fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32), np.random.default_rng(0))
     wbytes = weight_bytes(setup.model)
-    with torch.inference_mode():
-        for mode in RUNNER_MODES:
-            if mode not in modes:
-                continue
-            try:
-                runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
-                    setup.model, setup.state, policy=policy, compile=True)
-                report = runner.capture(progress=False)
-                out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
-                                wbytes, np.random.default_rng(1)))
-            except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
-                out([_error(mode, e)])
-        if set(HANDWRITTEN) & set(modes):
-            setup.model.caches = []  # the peers bring their own static caches
-            setup.runner = None
-            torch.cuda.empty_cache()
-            try:
-                out(handwritten_rows(setup.model, cfg, sizes, lengths, steps, bw, wbytes,
-                                     np.random.default_rng(1), modes))
-            except Exception as e:  # noqa: BLE001
-                out([_error("handwritten", e)])
-        if "attention" in modes:
-            out(attention_rows(cfg, max(sizes), max(lengths), bw))
+    for mode in RUNNER_MODES:
+        if mode not in modes:
+            continue
+        try:
+            runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
+                setup.model, setup.state, policy=policy, compile=True)
+            runner.graphs.keep_graphs = True  # node counts
+            report = runner.capture(progress=False)
+            out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
+                            wbytes, np.random.default_rng(1)))
+        except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
+            out([_error(mode, e)])
+    if set(HANDWRITTEN) & set(modes):
+        setup.model.caches = []  # the peers bring their own static caches
+        setup.runner = None
+        torch.cuda.empty_cache()
+        try:
+            out(handwritten_rows(setup.model, cfg, sizes, lengths, steps, bw, wbytes,
+                                 np.random.default_rng(1), modes))
+        except Exception as e:  # noqa: BLE001
+            out([_error("handwritten", e)])
+    if "attention" in modes:
+        out(attention_rows(cfg, max(sizes), max(lengths), bw))
 
 
 def compile_rows(name: str, sizes, lengths, steps) -> list[dict]:
@@ -339,14 +346,19 @@ def main() -> None:
                 rows.append({"model": name, "mode": ",".join(want), "error": proc.stderr[-800:]})
             print(f"{name} {','.join(want)}: {len(got)} rows, rc {proc.returncode}",
                   file=sys.stderr, flush=True)
+            save(out, name, rows)
         if "torch_compile_reduce_overhead" in modes:
             rows += compile_rows(name, sizes, lengths, args.steps)
-        meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                "device": torch.cuda.get_device_name(),
-                "command": "python -m bench.graph_replay " + " ".join(sys.argv[1:])}
-        (out / f"graph_replay_{name}.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1))
+            save(out, name, rows)
     merge(out)
+
+
+def save(out: Path, name: str, rows: list[dict]) -> None:
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "command": "python -m bench.graph_replay " + " ".join(sys.argv[1:])}
+    (out / f"graph_replay_{name}.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def merge(out: Path) -> None:

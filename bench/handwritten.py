@@ -73,11 +73,16 @@ class HandwrittenDecode:
             for _ in range(3):
                 self.fn(self.ids, self.pos)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
+        try:
+            self.graph = torch.cuda.CUDAGraph(keep_graph=True)  # node counts
+        except TypeError:
+            self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             tokens = self.fn(self.ids, self.pos)
             self.ids.copy_(tokens)
             self.pos.add_(1)
+        if hasattr(self.graph, "instantiate"):
+            self.graph.instantiate()
         self.reset(lengths)
 
     def reset(self, lengths: torch.Tensor) -> None:

@@ -84,6 +84,15 @@ def _frozen_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _new_graph(keep: bool) -> torch.cuda.CUDAGraph:
+    if keep:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch without keep_graph
+            pass
+    return torch.cuda.CUDAGraph()
+
+
 def _copyable(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Same device, or a host tensor copied without blocking (pinned, for CUDA)."""
     if src.device == dst.device:
@@ -140,6 +149,7 @@ class CUDAGraphManager:
         self.use_graphs = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._captured: dict[GraphKey, _Captured] = {}
+        self.keep_graphs = False  # keep each cudaGraph_t (for inspection: node counts)
         self.num_replays = 0
         self.num_eager = 0
 
@@ -220,9 +230,11 @@ class CUDAGraphManager:
             for _ in range(self.warmup_iters):
                 self.forward(inputs, key)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph = _new_graph(self.keep_graphs)
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.forward(inputs, key)
+        if self.keep_graphs and hasattr(graph, "instantiate"):
+            graph.instantiate()
         return _Captured(inputs, outputs, graph)
 
     def _copy_in(self, key: GraphKey, static: dict[str, torch.Tensor],

@@ -196,6 +196,7 @@ class GraphRunner:
                                           key.num_tokens_padded)
         return self._plans[key]
 
+    @torch.inference_mode()
     def capture(self, keys: Sequence[GraphKey] | None = None,
                 progress: bool = True) -> CaptureReport:
         """Capture every key of the policy (or `keys`), largest first, from dummy runs.
@@ -214,11 +215,13 @@ class GraphRunner:
             self.compiler.freeze()
         return report
 
+    @torch.inference_mode()
     def dummy_run(self, key: GraphKey) -> None:
         """Replay `key` with every row padded (slot -1, length 0): a DP rank with no work."""
         self.graphs.replay(key, {"packed": self._dummy_plan(key).packed}, 0)
 
     # -- steps ------------------------------------------------------------
+    @torch.inference_mode()
     def step(self, sched: SchedulerOutput, force_eager: bool = False) -> StepOutput:
         """Run one scheduled step and advance the state (no host read of device state).
 

@@ -75,7 +75,6 @@ class HFCausalLM:
                                                self.head_dim, p.dtype, p.device)
                              for _ in range(2)) for _ in range(self.num_layers)]
 
-    @torch.inference_mode()
     def __call__(self, inputs: dict[str, torch.Tensor],
                  attn_metadata: PagedAttentionMetadata) -> torch.Tensor:
         if not self.caches:

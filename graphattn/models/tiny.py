@@ -86,7 +86,8 @@ class TinyDecoder(nn.Module):
 
     ``forward(inputs, attn_metadata)`` follows `graphattn.capture.runner.ModelForward`:
     inputs has "input_ids" and "positions" (int64 [T]); returns logits [T, vocab].
-    Call `allocate_caches` before the first forward.
+    Call `allocate_caches` before the first forward; call it under no_grad or
+    inference mode (GraphRunner does), which also lets torch.compile trace it whole.
 
     Parameters
     ----------
@@ -114,7 +115,6 @@ class TinyDecoder(nn.Module):
                                                p.dtype, p.device) for _ in range(2))
                        for _ in range(c.num_layers)]
 
-    @torch.inference_mode()
     def forward(self, inputs: dict[str, torch.Tensor],
                 attn_metadata: PagedAttentionMetadata) -> torch.Tensor:
         if not self.caches:
