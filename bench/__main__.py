@@ -1,8 +1,11 @@
 """Run the benchmark suite: `python -m bench [--out DIR] [--quick]`.
 
-On CUDA: every scenario with its baselines. On CPU: the host-overhead parts
-(prepare/build per request count, ubatch planning). Writes results.json,
-results.md and us_per_step.png under --out.
+Every device: host overhead of planning per stage (prepare, build, plan) for 1..4096
+requests, micro-batch planning, and the cost of an NVTX range. On CUDA also the runner
+scenarios (mixed prefill+decode, spec decode, many lengths), each against eager with and
+without a host read. Writes results.json, results.md and us_per_step.png under --out.
+Uniform decode side by side with its peers is `python -m bench.graph_replay`, whose rows
+(bench/results/graph_replay.json) this plot also draws when present.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import os
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from bench import graph_replay, host_overhead, profiling_overhead, scenarios
+from bench import host_overhead, profiling_overhead, scenarios
 
-COLUMNS = ("scenario", "mode", "batch", "us_step", "host_us", "host_us_p99", "vs_floor",
-           "syncs_per_step", "graphs", "capture_s", "pool_mb", "token_waste", "len_waste",
-           "gpu_idle_frac")
+COLUMNS = ("scenario", "mode", "batch", "us_step", "us_p25", "us_p75", "host_dispatch_us",
+           "host_prepare_us", "host_replay_us", "host_eager_us", "host_postprocess_us",
+           "prepare_us", "build_us", "plan_us", "syncs_per_step", "graphs", "capture_s",
+           "pool_mb", "token_waste", "len_waste", "error")
 
 
 def _fmt(v: object) -> str:
@@ -29,91 +34,112 @@ def _fmt(v: object) -> str:
 
 
 def markdown(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
-    cols = [c for c in columns if any(c in r for r in rows)]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    """One table per scenario with the columns it has."""
+    out = []
+    for scenario in dict.fromkeys(r.get("scenario") for r in rows):
+        part = [r for r in rows if r.get("scenario") == scenario]
+        cols = [c for c in columns if any(c in r for r in part)]
+        out += [f"### {scenario}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in part]
+        out.append("")
+    return "\n".join(out)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, replay: list[dict]) -> None:
+    """Uniform decode as a ratio to the memory floor per mode (when graph_replay rows exist),
+    else host planning µs per stage; distinct marker and line style per series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    decode = [r for r in rows if r.get("scenario") == "uniform_decode" and "us_step" in r]
-    for mode in dict.fromkeys(r["mode"] for r in decode):
-        pts = sorted((r["batch"], r["us_step"]) for r in decode if r["mode"] == mode)
-        ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size (requests)")
-    ax.set_ylabel("µs / step")
-    ax.set_title("uniform decode, TinyDecoder 8x1024 bf16")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
+    decode = [r for r in replay if "us_step" in r and "floor_us" in r and "batch" in r]
+    if decode:
+        keys = sorted({(r["model"], r["length"]) for r in decode})
+        modes = list(dict.fromkeys(r["mode"] for r in decode))
+        style = dict(zip(modes, styles * 3, strict=False))
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.4), squeeze=False)
+        for ax, (model, length) in zip(axes[0], keys, strict=True):
+            part = [r for r in decode if (r["model"], r["length"]) == (model, length)]
+            for mode in modes:
+                pts = sorted((r["batch"], r["us_step"] / r["floor_us"]) for r in part
+                             if r["mode"] == mode)
+                if not pts:
+                    continue
+                marker, ls = style[mode]
+                floor = mode == "replay_floor"  # hollow and larger: never hides the graphs line
+                ax.plot(*zip(*pts, strict=True), marker=marker, linestyle="none" if floor else ls,
+                        markersize=11 if floor else 6, fillstyle="none" if floor else "full",
+                        label=mode, color=f"C{modes.index(mode)}")
+            ax.set(xlabel="batch", ylabel="step / memory floor", title=f"{model}, length {length}")
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+        handles, labels = [], []
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+        fig.subplots_adjust(bottom=0.2)
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        host = [r for r in rows if r.get("scenario") == "host_overhead"]
+        for (marker, ls), stage in zip(styles, ("prepare_us", "build_us", "plan_us"),
+                                       strict=False):
+            pts = sorted((r["batch"], r[stage]) for r in host if stage in r)
+            ax.plot(*zip(*pts, strict=True), marker=marker, linestyle=ls, label=stage)
+        ax.set(xscale="log", yscale="log", xlabel="requests", ylabel="host µs",
+               title="planning on the host, per stage")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout(rect=(0, 0.08 if decode else 0, 1, 1))
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--quick", action="store_true", help="fewer steps and sizes")
+    ap.add_argument("--replay", default="bench/results/graph_replay.json",
+                    help="graph_replay rows to plot (skipped when missing)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    steps = 50 if args.quick else 200
-    from tqdm import tqdm
-
-    jobs = [("host_overhead", lambda: [{"scenario": "host_overhead", "mode": "prepare+build",
-                                        "batch": r["num_reqs"], "us_step": r["total_us"],
-                                        "prepare_us": r["prepare_us"], "build_us": r["build_us"],
-                                        "plan_us": r["plan_us"]}
-                                       for r in host_overhead.run("cpu")]),
+    steps = 30 if args.quick else 200
+    sizes = (1, 16, 256) if args.quick else host_overhead.SIZES
+    jobs = [("host_overhead", lambda: [
+                {"scenario": "host_overhead", "mode": "plan", "batch": r["num_reqs"], **r}
+                for r in host_overhead.run("cpu", sizes, iters=steps)]),
             ("ubatch_split", lambda: scenarios.ubatch_split("cpu", steps=steps)),
             ("profiling_overhead", profiling_overhead.run)]
-    info: dict = {}
     if cuda:
-        sizes = (1, 8, 32) if args.quick else (1, 8, 32, 128)
-
-        def decode():
-            rows, i = graph_replay.run(device, sizes, steps)
-            info.update(i)
-            return [{**r, **i} for r in rows]
-
-        # uniform_decode (with its torch.compile baseline) last: dynamo state cannot leak
-        # into the other scenarios
         jobs += [("mixed", lambda: scenarios.mixed(device, steps=steps // 2)),
                  ("spec_decode", lambda: scenarios.spec_decode(device, steps=steps // 2)),
-                 ("many_lengths", lambda: scenarios.many_lengths(device, steps=steps)),
-                 ("uniform_decode", decode)]
+                 ("many_lengths", lambda: scenarios.many_lengths(device, steps=steps))]
     rows: list[dict] = []
     for name, job in tqdm(jobs, desc="bench", unit="scenario"):
-        tqdm.write(f"running {name}")
         try:
             rows += job()
-        except Exception as e:  # keep the other scenarios; the failure is in the table
+        except Exception as e:  # noqa: BLE001 - keep the other scenarios; the failure is shown
             rows.append({"scenario": name, "mode": "failed", "error": f"{type(e).__name__}: {e}"})
             tqdm.write(f"{name} failed: {e!r}")
-        (out / "results.partial.json").write_text(json.dumps(rows, indent=1))
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, **info}
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    table = markdown(rows)
-    extra = [r for r in rows if "error" in r or "compile_s" in r]
-    md = f"{json.dumps(meta)}\n\n{table}\n"
-    if extra:
-        md += "\n" + markdown(extra, ("scenario", "mode", "batch", "compile_s", "dynamo_graphs",
-                                      "timed_recompiles", "skipped_cudagraphs", "error")) + "\n"
+    md = (f"# bench results\n\n{meta['date']}, torch {meta['torch']}, {meta['device']}, "
+          f"{steps} steps; µs are medians with p25 / p75, host_*_us the host time of each "
+          f"runner stage (median)\n\n{markdown(rows)}")
     (out / "results.md").write_text(md)
-    (out / "results.partial.json").unlink(missing_ok=True)
-    if cuda:
-        plot(rows, out / "us_per_step.png")
+    replay = json.loads(Path(args.replay).read_text()) if Path(args.replay).exists() else []
+    plot(rows, out / "us_per_step.png", replay)
     print(md)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'us_per_step.png'}")
 
 
 if __name__ == "__main__":

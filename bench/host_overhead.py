@@ -49,8 +49,9 @@ def measure(num_reqs: int, device: str = "cpu", iters: int = 200) -> dict[str, f
             "plan_us": 1e6 * t_plan / iters}
 
 
-def run(device: str = "cpu", sizes: tuple[int, ...] = SIZES) -> list[dict[str, float]]:
-    return [measure(n, device, iters=200 if n <= 1024 else 50) for n in sizes]
+def run(device: str = "cpu", sizes: tuple[int, ...] = SIZES,
+        iters: int = 200) -> list[dict[str, float]]:
+    return [measure(n, device, iters=iters if n <= 1024 else max(iters // 4, 1)) for n in sizes]
 
 
 def main() -> None:

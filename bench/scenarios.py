@@ -3,14 +3,13 @@ rejections, ubatch split, and lengths spread across many buckets."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from bench.setup import fill_requests, make_setup, set_lengths
-from bench.timing import drain, syncs_per_step
+from bench.timing import spread, step_times
 from graphattn.backends.paged import PagedAttentionBuilder
 from graphattn.batch import prepare_inputs
+from graphattn.capture.profiling import StageProfiler
 from graphattn.capture.runner import BucketPolicy
 from graphattn.metadata import build_common_metadata
 from graphattn.spec_decode import RejectionFeedback, apply_rejections
@@ -19,27 +18,35 @@ from graphattn.sync import count_host_syncs
 from graphattn.transfer import to_device
 from graphattn.ubatch import maybe_create_ubatch_slices, split_attn_metadata
 
+STAGES = ("dispatch", "prepare", "replay", "eager", "postprocess")
 
-def _timed_steps(step_fn, steps: int, device: str) -> tuple[float, float]:
-    """(µs per step, host syncs per step); syncs counted on 3 separate, untimed steps."""
+
+def _timed_steps(step_fn, steps: int, device: str, desc: str = "steps") -> tuple[dict, float]:
+    """(median / p25 / p75 µs per step, host syncs per step); syncs counted on 3 separate,
+    untimed steps."""
     for i in range(3):
         step_fn(i)
     with count_host_syncs() as c:
         for i in range(3):
             step_fn(i)
-    drain(device)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step_fn(i)
-    drain(device)
-    return 1e6 * (time.perf_counter() - t0) / steps, c.count / 3
+    return spread(step_times(step_fn, steps, device, desc=desc)), c.count / 3
 
 
-def _row(scenario, mode, batch, us, syncs, runner, report, **extra):
-    return {"scenario": scenario, "mode": mode, "batch": batch, "us_step": us,
+def _profiler() -> StageProfiler:
+    return StageProfiler(nvtx_ranges=False, torch_labels=False, record_times=True)
+
+
+def _stage_columns(runner) -> dict[str, float]:
+    """Median host µs per stage of the runner's steps (its profiler records times)."""
+    times = runner.profiler.times
+    return {f"host_{s}_us": 1e6 * float(np.median(times[s])) for s in STAGES if times.get(s)}
+
+
+def _row(scenario, mode, batch, timing, syncs, runner, report, **extra):
+    return {"scenario": scenario, "mode": mode, "batch": batch, **timing,
             "syncs_per_step": syncs, "graphs": report.num_graphs, "capture_s": report.seconds,
             "pool_mb": report.pool_bytes / 2**20, "token_waste": runner.padding.token_waste,
-            "len_waste": runner.padding.length_waste, **extra}
+            "len_waste": runner.padding.length_waste, **_stage_columns(runner), **extra}
 
 
 def mixed(device: str, decodes: int = 32, chunk: int = 48, steps: int = 100) -> list[dict]:
@@ -48,9 +55,9 @@ def mixed(device: str, decodes: int = 32, chunk: int = 48, steps: int = 100) -> 
                           mixed_token_sizes=(64, 96, 128))
     rows = []
     for mode in ("host_read", "eager", "graphs"):
-        setup = make_setup(device, decodes + 1, 1024, policy)
-        report = setup.runner.capture() if mode == "graphs" else setup.runner.graphs.capture(
-            [], lambda k: {})
+        setup = make_setup(device, decodes + 1, 1024, policy, profiler=_profiler())
+        report = setup.runner.capture(progress=False) if mode == "graphs" else (
+            setup.runner.graphs.capture([], lambda k: {}))
         rng = np.random.default_rng(1)
         fill_requests(setup, decodes, rng.integers(64, 256, decodes).astype(np.int32), rng)
         st, runner = setup.state, setup.runner
@@ -68,8 +75,8 @@ def mixed(device: str, decodes: int = 32, chunk: int = 48, steps: int = 100) -> 
                 int(st.num_computed_tokens[slots].max())
             runner.step(sched, force_eager=mode != "graphs")
 
-        us, syncs = _timed_steps(step, steps, device)
-        rows.append(_row("mixed", mode, decodes, us, syncs, runner, report))
+        timing, syncs = _timed_steps(step, steps, device, f"mixed {mode}")
+        rows.append(_row("mixed", mode, decodes, timing, syncs, runner, report))
     return rows
 
 
@@ -79,9 +86,9 @@ def spec_decode(device: str, batch: int = 32, k: int = 3, steps: int = 100) -> l
                           decode_query_len=k + 1)
     rows = []
     for mode in ("host_read", "eager", "graphs"):
-        setup = make_setup(device, batch, 1024, policy)
-        report = setup.runner.capture() if mode == "graphs" else setup.runner.graphs.capture(
-            [], lambda key: {})
+        setup = make_setup(device, batch, 1024, policy, profiler=_profiler())
+        report = setup.runner.capture(progress=False) if mode == "graphs" else (
+            setup.runner.graphs.capture([], lambda key: {}))
         rng = np.random.default_rng(2)
         fill_requests(setup, batch, rng.integers(64, 256, batch).astype(np.int32), rng)
         st, runner = setup.state, setup.runner
@@ -111,8 +118,8 @@ def spec_decode(device: str, batch: int = 32, k: int = 3, steps: int = 100) -> l
                 set_lengths(st, lens)  # slots are 0..batch-1
             return out
 
-        us, syncs = _timed_steps(step, steps, device)
-        rows.append(_row("spec_decode", mode, batch, us, syncs, runner, report,
+        timing, syncs = _timed_steps(step, steps, device, f"spec_decode {mode}")
+        rows.append(_row("spec_decode", mode, batch, timing, syncs, runner, report,
                          unverified_drafts=float(np.mean(over))))
     return rows
 
@@ -138,8 +145,8 @@ def ubatch_split(device: str, sizes: tuple[int, ...] = (64, 512), steps: int = 2
             slices = maybe_create_ubatch_slices(batch.query_start_loc_np, 2)
             return [builder.build(m) for m in split_attn_metadata(slices, common)]
 
-        us, syncs = _timed_steps(plan, steps, device)
-        rows.append({"scenario": "ubatch_split", "mode": "plan", "batch": n, "us_step": us,
+        timing, syncs = _timed_steps(plan, steps, device, f"ubatch_split {n}")
+        rows.append({"scenario": "ubatch_split", "mode": "plan", "batch": n, **timing,
                      "syncs_per_step": syncs})
     return rows
 
@@ -147,8 +154,8 @@ def ubatch_split(device: str, sizes: tuple[int, ...] = (64, 512), steps: int = 2
 def many_lengths(device: str, batch: int = 32, steps: int = 300) -> list[dict]:
     """Decode with lengths spread over every bucket up to 2048; keys used and waste."""
     policy = BucketPolicy(capture_sizes=(8, 16, 32))
-    setup = make_setup(device, batch, 2048, policy)
-    report = setup.runner.capture()
+    setup = make_setup(device, batch, 2048, policy, profiler=_profiler())
+    report = setup.runner.capture(progress=False)
     rng = np.random.default_rng(4)
     lengths = np.sort(rng.integers(8, 1700, batch)).astype(np.int32)
     fill_requests(setup, batch, lengths, rng)
@@ -161,16 +168,6 @@ def many_lengths(device: str, batch: int = 32, steps: int = 300) -> list[dict]:
                                                 np.ones(n, np.int32)))
         keys.add(out.key)
 
-    us, syncs = _timed_steps(step, steps, device)
-    return [_row("many_lengths", "graphs", batch, us, syncs, setup.runner, report,
+    timing, syncs = _timed_steps(step, steps, device, "many_lengths")
+    return [_row("many_lengths", "graphs", batch, timing, syncs, setup.runner, report,
                  keys_used=len(keys), eager_steps=int(None in keys))]
-
-
-def quick_syncs(device: str) -> float:
-    """Syncs of one graph step of a tiny setup (sanity row for CPU runs)."""
-    setup = make_setup(device, 4, 256, BucketPolicy(capture_sizes=(4,)))
-    setup.runner.capture()
-    rng = np.random.default_rng(0)
-    fill_requests(setup, 4, np.full(4, 20, np.int32), rng)
-    sched = SchedulerOutput(np.arange(4, dtype=np.int32), np.ones(4, np.int32))
-    return syncs_per_step(lambda: setup.runner.step(sched))

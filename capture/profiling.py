@@ -11,6 +11,7 @@ turns into no-ops when no tool is attached).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import nvtx
@@ -40,21 +41,27 @@ class StageProfiler:
         NVTX domain.
     nvtx_ranges, torch_labels : bool
         Emit NVTX ranges / torch.profiler record_function labels.
+    record_times : bool
+        Keep the host seconds of every range in `times` (the benchmarks' per-stage columns).
 
     Attributes
     ----------
     depth : int
         Ranges open now (0 between steps, also after a step raised).
+    times : dict[str, list[float]]
+        Host seconds per stage, one entry per range (with `record_times`).
     """
 
     def __init__(self, enabled: bool = True, domain: str = "graphattn", nvtx_ranges: bool = True,
-                 torch_labels: bool = True) -> None:
+                 torch_labels: bool = True, record_times: bool = False) -> None:
         self.enabled = enabled
         self.domain = domain
         self.nvtx = nvtx.get_domain(domain) if nvtx_ranges else None
         self.torch_labels = torch_labels
         self.depth = 0
         self._attributes: dict[tuple[str, Any], Any] = {}
+        self.record_times = record_times
+        self.times: dict[str, list[float]] = {}
 
     def attributes(self, stage: str, key: Any) -> Any:
         """Cached NVTX event attributes of a (stage, key) range."""
@@ -76,10 +83,10 @@ class StageProfiler:
 
 
 class _Range:
-    __slots__ = ("prof", "stage", "key", "label")
+    __slots__ = ("prof", "stage", "key", "label", "t0")
 
     def __init__(self, prof: StageProfiler, stage: str, key: Any) -> None:
-        self.prof, self.stage, self.key, self.label = prof, stage, key, None
+        self.prof, self.stage, self.key, self.label, self.t0 = prof, stage, key, None, 0.0
 
     def __enter__(self) -> None:
         prof = self.prof
@@ -90,9 +97,13 @@ class _Range:
         if prof.nvtx is not None:
             prof.nvtx.push_range(prof.attributes(self.stage, self.key))
         prof.depth += 1
+        if prof.record_times:
+            self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         prof = self.prof
+        if prof.record_times:
+            prof.times.setdefault(self.stage, []).append(time.perf_counter() - self.t0)
         prof.depth -= 1
         if prof.nvtx is not None:
             prof.nvtx.pop_range()
