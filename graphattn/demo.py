@@ -15,7 +15,8 @@ import time
 import numpy as np
 import torch
 
-from graphattn.capture.runner import BucketPolicy, GraphRunner
+from graphattn.buckets import BucketPolicy
+from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs
@@ -38,10 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     policy = BucketPolicy(capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64, 128),
                           mixed_token_sizes=(32, 64))
     runner = GraphRunner(model, state, policy=policy)
-    report = runner.capture()
     print(f"graphattn demo on {args.device}: TinyDecoder {cfg.num_layers}x{cfg.hidden_size}, "
-          f"captured {report.num_graphs} graph keys in {report.seconds:.2f}s "
-          f"(pool {report.pool_bytes / 2**20:.1f} MiB)")
+          f"{len(runner.dispatcher.all_keys())} graph keys")
+    runner.capture()
     print(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'bound max':>9}  {'key':<38} "
           f"{'syncs':>5} {'host ms':>8}")
     prompts: dict[int, int] = {}
