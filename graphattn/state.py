@@ -15,19 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphattn.checks import INT32_MAX, as_index, as_int32_array
 from graphattn.keys import BatchShape
+from graphattn.sync import note_host_read
 from graphattn.transfer import to_device
 
 __all__ = ["RequestState", "SchedulerOutput"]
 
 
 def _as_int_array(name: str, value: np.ndarray | Sequence[int]) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int32, copy=False)
+    return as_int32_array(name, value)
 
 
 @dataclass(slots=True)
@@ -49,8 +46,11 @@ class SchedulerOutput:
     num_draft_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        self.req_slots = _as_int_array("req_slots", self.req_slots)
-        self.num_scheduled_tokens = _as_int_array("num_scheduled_tokens", self.num_scheduled_tokens)
+        # fresh copies, range-checked before the int32 cast: later edits of the caller's
+        # arrays cannot reach a validated schedule
+        self.req_slots = as_int32_array("req_slots", self.req_slots, 0)
+        self.num_scheduled_tokens = as_int32_array("num_scheduled_tokens",
+                                                   self.num_scheduled_tokens, 1)
         n = self.req_slots.shape[0]
         if self.num_scheduled_tokens.shape[0] != n:
             raise ValueError(
@@ -65,7 +65,7 @@ class SchedulerOutput:
         if n and np.unique(self.req_slots).size != n:
             raise ValueError(f"req_slots must be unique, got {self.req_slots.tolist()}")
         if self.num_draft_tokens is not None:
-            self.num_draft_tokens = _as_int_array("num_draft_tokens", self.num_draft_tokens)
+            self.num_draft_tokens = as_int32_array("num_draft_tokens", self.num_draft_tokens, 0)
             if self.num_draft_tokens.shape[0] != n:
                 raise ValueError(
                     f"num_draft_tokens has {self.num_draft_tokens.shape[0]} entries, expected {n}"
@@ -100,6 +100,11 @@ class RequestState:
         Tokens per KV-cache block.
     device : torch.device or str
         Where the device copies (true computed counts, block table) live.
+    num_kv_blocks : int, optional
+        Blocks of the KV cache, the sink excluded (its index is `num_kv_blocks`).
+        Default: max_num_reqs x max_num_blocks_per_req, the runner's default
+        allocation. Block ids must be in [0, num_kv_blocks); table entries past
+        a request's blocks point at the sink.
 
     Attributes
     ----------
@@ -116,6 +121,17 @@ class RequestState:
         int32 [max_num_reqs] on `device`: the true count.
     block_table : torch.Tensor
         int32 [max_num_reqs, max_num_blocks_per_req] on `device`.
+    num_blocks_np : np.ndarray
+        int32 [max_num_reqs]: blocks each request owns.
+    generation_np : np.ndarray
+        int64 [max_num_reqs]: a number no other request of this state had,
+        given at admission (late feedback of a slot's previous occupant is told
+        apart by it).
+    num_steps : int
+        Steps advanced so far (`advance_mirror` calls); a step's id is the value
+        before its advance.
+
+    Not thread-safe: one thread drives a state (the runner refuses concurrent steps).
     """
 
     def __init__(
@@ -124,25 +140,37 @@ class RequestState:
         max_model_len: int,
         block_size: int,
         device: torch.device | str = "cpu",
+        num_kv_blocks: int | None = None,
     ) -> None:
-        for name, v in (("max_num_reqs", max_num_reqs), ("max_model_len", max_model_len),
-                        ("block_size", block_size)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        self.max_num_reqs = max_num_reqs
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.max_num_reqs = as_index("max_num_reqs", max_num_reqs, 1, 1 << 20)
+        # positions, slots and lengths are int32 on the device
+        self.max_model_len = as_index("max_model_len", max_model_len, 1, INT32_MAX // 2)
+        self.block_size = as_index("block_size", block_size, 1, self.max_model_len)
+        self.max_num_blocks_per_req = -(-self.max_model_len // self.block_size)
+        if self.max_num_reqs * self.max_num_blocks_per_req > 1 << 28:
+            raise ValueError(
+                f"max_num_reqs x max_model_len / block_size = "
+                f"{self.max_num_reqs * self.max_num_blocks_per_req} block-table entries, "
+                f"expected <= {1 << 28}"
+            )
+        default_blocks = self.max_num_reqs * self.max_num_blocks_per_req
+        self.num_kv_blocks = as_index("num_kv_blocks", default_blocks if num_kv_blocks is None
+                                      else num_kv_blocks, 1, INT32_MAX - 1)
         self.device = torch.device(device)
         self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table_np = np.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32)
+        self.block_table_np = np.full((max_num_reqs, self.max_num_blocks_per_req),
+                                      self.num_kv_blocks, dtype=np.int32)
+        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_pending_drafts_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.generation_np = np.zeros(max_num_reqs, dtype=np.int64)
+        self.last_feedback_step_np = np.full(max_num_reqs, -1, dtype=np.int64)
         self.active_np = np.zeros(max_num_reqs, dtype=bool)
+        self.num_steps = 0
+        self._next_generation = 1
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
-        self.block_table = torch.zeros(
-            (max_num_reqs, self.max_num_blocks_per_req), dtype=torch.int32, device=self.device
-        )
+        self.block_table = torch.full((max_num_reqs, self.max_num_blocks_per_req),
+                                      self.num_kv_blocks, dtype=torch.int32, device=self.device)
         self.req_id_to_slot: dict[str, int] = {}
 
     @property
@@ -158,6 +186,8 @@ class RequestState:
     ) -> int:
         """Put a request in a free slot and return the slot.
 
+        Everything is validated before anything changes.
+
         Parameters
         ----------
         req_id : str
@@ -165,25 +195,22 @@ class RequestState:
         num_prompt_tokens : int
             Prompt length, 1..max_model_len.
         block_ids : sequence of int
-            KV-cache blocks of the request, at most max_num_blocks_per_req.
+            KV-cache blocks of the request (at most max_num_blocks_per_req,
+            enough for the prompt, in [0, num_kv_blocks), owned by no other live
+            request); `append_blocks` adds more as it grows.
         num_computed_tokens : int
-            Tokens already in the KV cache (prefix-cache hit), < num_prompt_tokens.
+            Tokens already in the KV cache (prefix-cache hit, resume after
+            preemption), < num_prompt_tokens.
         """
+        if not isinstance(req_id, str):
+            raise ValueError(f"req_id must be a str, got {req_id!r}")
         if req_id in self.req_id_to_slot:
             raise ValueError(f"request {req_id!r} is already in slot {self.req_id_to_slot[req_id]}")
-        if not 1 <= num_prompt_tokens <= self.max_model_len:
-            raise ValueError(
-                f"num_prompt_tokens = {num_prompt_tokens}, expected in [1, {self.max_model_len}]"
-            )
-        if not 0 <= num_computed_tokens < num_prompt_tokens:
-            raise ValueError(
-                f"num_computed_tokens = {num_computed_tokens}, expected in [0, {num_prompt_tokens})"
-            )
-        blocks = _as_int_array("block_ids", block_ids)
-        if blocks.shape[0] > self.max_num_blocks_per_req:
-            raise ValueError(
-                f"{blocks.shape[0]} block ids, expected at most {self.max_num_blocks_per_req}"
-            )
+        num_prompt_tokens = as_index("num_prompt_tokens", num_prompt_tokens, 1,
+                                     self.max_model_len)
+        num_computed_tokens = as_index("num_computed_tokens", num_computed_tokens, 0,
+                                       num_prompt_tokens - 1)
+        blocks = self._check_blocks(req_id, block_ids, 0, num_prompt_tokens)
         free = np.flatnonzero(~self.active_np)
         if free.size == 0:
             raise ValueError(f"no free slot: all {self.max_num_reqs} are in use")
@@ -192,11 +219,63 @@ class RequestState:
         self.req_id_to_slot[req_id] = slot
         self.num_prompt_tokens_np[slot] = num_prompt_tokens
         self.num_computed_tokens_np[slot] = num_computed_tokens
-        self.block_table_np[slot] = 0
+        self.num_pending_drafts_np[slot] = 0
+        self.generation_np[slot] = self._next_generation
+        self._next_generation += 1
+        self.last_feedback_step_np[slot] = -1
+        self.num_blocks_np[slot] = blocks.shape[0]
+        self.block_table_np[slot] = self.num_kv_blocks
         self.block_table_np[slot, : blocks.shape[0]] = blocks
         self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
         self.num_computed_tokens[slot : slot + 1].fill_(num_computed_tokens)
         return slot
+
+    def _check_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray, have: int,
+                      tokens: int) -> np.ndarray:
+        """Validate blocks a request gets on top of its `have`, which must hold `tokens`
+        (numpy; no state change)."""
+        blocks = as_int32_array(f"block_ids of request {req_id!r}", block_ids, 0,
+                                self.num_kv_blocks - 1)
+        if have + blocks.shape[0] > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"request {req_id!r}: {have} + {blocks.shape[0]} block ids, expected at most "
+                f"{self.max_num_blocks_per_req} (max_model_len / block_size)"
+            )
+        need = -(-tokens // self.block_size)
+        if have + blocks.shape[0] < need:
+            raise ValueError(
+                f"request {req_id!r}: {have + blocks.shape[0]} blocks of {self.block_size} "
+                f"tokens for a prompt of {tokens} tokens, expected at least {need} blocks"
+            )
+        if np.unique(blocks).size != blocks.size:
+            raise ValueError(f"request {req_id!r}: block ids repeat: {blocks.tolist()}")
+        mine = self.req_id_to_slot.get(req_id, -1)
+        live = self.active_np.copy()
+        if mine >= 0:
+            live[mine] = False
+        cols = np.arange(self.max_num_blocks_per_req)
+        owned = self.block_table_np[live][cols < self.num_blocks_np[live][:, None]]
+        if mine >= 0:
+            owned = np.concatenate([owned, self.block_table_np[mine, :have]])
+        taken = np.isin(blocks, owned)
+        if taken.any():
+            raise ValueError(
+                f"request {req_id!r}: blocks {blocks[taken].tolist()} belong to another live "
+                "request (or to this one already)"
+            )
+        return blocks
+
+    def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Give a running request more KV-cache blocks (validated first, as in add_request)."""
+        if req_id not in self.req_id_to_slot:
+            raise ValueError(f"unknown request {req_id!r}")
+        slot = self.req_id_to_slot[req_id]
+        have = int(self.num_blocks_np[slot])
+        blocks = self._check_blocks(req_id, block_ids, have, 0)
+        n = blocks.shape[0]
+        self.block_table_np[slot, have : have + n] = blocks
+        self.num_blocks_np[slot] = have + n
+        self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
 
     def remove_request(self, req_id: str) -> int:
         """Free the slot of `req_id` and return it."""
@@ -207,6 +286,7 @@ class RequestState:
         self.num_computed_tokens_np[slot] = 0
         self.num_prompt_tokens_np[slot] = 0
         self.num_pending_drafts_np[slot] = 0
+        self.num_blocks_np[slot] = 0
         return slot
 
     def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -252,6 +332,15 @@ class RequestState:
                 f"{sched.num_scheduled_tokens[i]} = {ends[i]} exceeds max_model_len "
                 f"{self.max_model_len}"
             )
+        room = self.num_blocks_np[slots].astype(np.int64) * self.block_size
+        short = ends > room
+        if short.any():
+            i = int(np.argmax(short))
+            req = next((r for r, s in self.req_id_to_slot.items() if s == slots[i]), "?")
+            raise ValueError(
+                f"request {req!r} (slot {slots[i]}): {ends[i]} tokens after this step, but its "
+                f"{self.num_blocks_np[slots[i]]} blocks hold {room[i]}; append_blocks first"
+            )
         return shape
 
     def advance_mirror(self, sched: SchedulerOutput) -> None:
@@ -260,6 +349,20 @@ class RequestState:
         self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
         if sched.num_draft_tokens is not None:
             self.num_pending_drafts_np[slots] += sched.num_draft_tokens
+        self.num_steps += 1
+
+    def resync(self) -> None:
+        """Set the CPU mirror to the device truth: one explicit, documented host sync.
+
+        For recovery only (after a step was interrupted between its device work
+        and the mirror's advance); every pending draft is then counted as
+        verified, so late feedback of earlier steps is refused as stale.
+        """
+        note_host_read("RequestState.resync()")
+        truth = self.num_computed_tokens.to("cpu").numpy()
+        self.num_computed_tokens_np[self.active_np] = truth[self.active_np]
+        self.num_pending_drafts_np[:] = 0
+        self.last_feedback_step_np[:] = self.num_steps
 
     def advance_device(self, req_slots: torch.Tensor, num_scheduled: torch.Tensor,
                        num_rejected: torch.Tensor | None = None) -> None:

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # lower layers first; a module may import only its own layer and those below
 LAYERS = [
-    {"graphattn.sync", "graphattn.transfer", "graphattn.keys", "graphattn.buckets"},
+    {"graphattn.sync", "graphattn.transfer", "graphattn.keys", "graphattn.buckets",
+     "graphattn.checks"},
     {"graphattn.state", "graphattn.batch", "graphattn.metadata", "graphattn.ubatch",
      "graphattn.spec_decode", "graphattn.compile", "graphattn.workload"},
     {"graphattn.backends"},

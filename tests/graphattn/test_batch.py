@@ -17,7 +17,8 @@ def test_hand_computed_batch():
     assert b.positions.tolist() == [4, 5, 6, 0, 1, 2, 3, 4, 5, 0, 0, 0]
     assert b.slot_mapping.tolist() == [12, 13, 14, 20, 21, 22, 23, 36, 37, -1, -1, -1]
     assert b.seq_lens.tolist() == [7, 6, 0, 0]
-    assert b.block_table[:, :3].tolist() == [[2, 3, 0], [5, 9, 0], [0, 0, 0], [0, 0, 0]]
+    # entries past a request's blocks point at the sink (block 32); padded rows are 0
+    assert b.block_table[:, :3].tolist() == [[2, 3, 32], [5, 9, 32], [0, 0, 0], [0, 0, 0]]
     assert b.query_start_loc.tolist() == [0, 3, 9, 9, 9]
     assert (b.max_query_len, b.max_seq_len, b.seq_lens_exact) == (6, 7, True)
     assert b.req_slots.tolist() == [1, 0, 0, 0] and b.num_scheduled.tolist() == [3, 6, 0, 0]
@@ -65,6 +66,7 @@ def test_padding_below_real_rejected(reqs_p, toks_p, match):
 
 def test_largest_bound_is_vectorized_np_add():
     st = two_request_state()
+    st.append_blocks("a", [10, 11, 12, 13])  # room for 24 tokens
     st.num_computed_tokens_np[0] = 20  # mirror over-estimates (pending drafts)
     st.num_pending_drafts_np[0] = 2
     b = prepare_inputs(st, SchedulerOutput(np.array([0]), np.array([3])))

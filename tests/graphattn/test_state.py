@@ -18,7 +18,7 @@ def test_add_remove_and_slots():
     b = st.add_request("b", 5, [7, 8], num_computed_tokens=2)
     assert (a, b) == (0, 1)
     assert st.num_computed_tokens_np[:2].tolist() == [0, 2]
-    assert st.block_table_np[0, :4].tolist() == [3, 4, 5, 0]
+    assert st.block_table_np[0, :4].tolist() == [3, 4, 5, 64]  # then the sink (64 blocks)
     assert st.block_table[1, :2].tolist() == [7, 8]
     assert st.num_computed_tokens[:2].tolist() == [0, 2]
     assert st.slots_of(["b", "a"]).tolist() == [1, 0]
@@ -32,8 +32,10 @@ def test_add_remove_and_slots():
     [
         (dict(num_prompt_tokens=0, block_ids=[1]), r"num_prompt_tokens = 0, expected in \[1, 64\]"),
         (dict(num_prompt_tokens=65, block_ids=[1]), "65"),
-        (dict(num_prompt_tokens=4, block_ids=[1], num_computed_tokens=4), r"\[0, 4\)"),
-        (dict(num_prompt_tokens=4, block_ids=list(range(17))), "17 block ids, expected at most 16"),
+        (dict(num_prompt_tokens=4, block_ids=[1], num_computed_tokens=4),
+         r"num_computed_tokens = 4, expected in \[0, 3\]"),
+        (dict(num_prompt_tokens=4, block_ids=list(range(17))),
+         r"0 \+ 17 block ids, expected at most 16"),
         (dict(num_prompt_tokens=4, block_ids=[0.5]), "integers"),
     ],
 )
@@ -48,7 +50,7 @@ def test_duplicate_full_unknown():
     with pytest.raises(ValueError, match="already in slot 0"):
         st.add_request("a", 3, [0])
     with pytest.raises(ValueError, match="no free slot: all 1"):
-        st.add_request("b", 3, [0])
+        st.add_request("b", 3, [1])
     with pytest.raises(ValueError, match="unknown request 'zz'"):
         st.remove_request("zz")
     with pytest.raises(ValueError, match="unknown requests"):
@@ -72,7 +74,7 @@ def test_scheduler_output_validation():
 
 def test_check_schedule():
     st = make_state()
-    st.add_request("a", 60, [0])
+    st.add_request("a", 60, range(15))
     with pytest.raises(ValueError, match=r"req_slots \[1\] hold no request"):
         st.check_schedule(SchedulerOutput(np.array([1]), np.array([1])))
     with pytest.raises(ValueError, match=r"req_slots must be in \[0, 4\)"):
