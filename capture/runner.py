@@ -7,6 +7,7 @@ a graph step leaves the host with one packed H2D copy and one graph launch.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
 from graphattn.batch import BatchPlan, assemble_batch, plan_batch
 from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.dispatcher import GraphDispatcher
-from graphattn.capture.graphs import CaptureReport, CUDAGraphManager
+from graphattn.capture.graphs import CaptureReport, CUDAGraphManager, GraphNotCapturedError
 from graphattn.capture.profiling import StageProfiler
 from graphattn.compile import BucketCompiler
 from graphattn.keys import GraphKey
@@ -62,6 +63,15 @@ class StepOutput:
     host_seconds: float
 
 
+def _vocab_size_of(forward: Any) -> int | None:
+    for holder in (forward, getattr(forward, "model", None)):
+        for attr in ("cfg", "config"):
+            v = getattr(getattr(holder, attr, None), "vocab_size", None)
+            if isinstance(v, int):
+                return v
+    return None
+
+
 class GraphRunner:
     """A model runner that replays CUDA graphs from CPU upper bounds.
 
@@ -98,6 +108,9 @@ class GraphRunner:
         caches are written in place) and capture the compiled code. Steps with
         no key run the uncompiled forward. After a full `capture()` any
         further compile raises RecompileError.
+    vocab_size : int, optional
+        Prompt token ids are checked against it at admission (default: the
+        model's ``cfg.vocab_size`` or ``config.vocab_size`` when it has one).
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
@@ -105,7 +118,8 @@ class GraphRunner:
                  static_input_names: Sequence[str] = STATIC_INPUTS,
                  builder: AttentionBuilder | None = None, on_missing: str = "eager",
                  profiler: StageProfiler | None = None,
-                 dispatcher: GraphDispatcher | None = None, compile: bool = False) -> None:
+                 dispatcher: GraphDispatcher | None = None, compile: bool = False,
+                 vocab_size: int | None = None) -> None:
         bad = set(static_input_names) - set(STATIC_INPUTS)
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
@@ -128,7 +142,10 @@ class GraphRunner:
         self.graphs = CUDAGraphManager(self._graph_forward, state.device, on_missing=on_missing)
         self.profiler = profiler or StageProfiler(enabled=False)
         self.padding = PaddingStats()
+        self.vocab_size = vocab_size if vocab_size is not None else _vocab_size_of(forward)
         self._plans: dict[GraphKey, BatchPlan] = {}
+        self._step_lock = threading.Lock()
+        self._device_advanced = False
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=state.device)
@@ -136,18 +153,53 @@ class GraphRunner:
 
     # -- requests ---------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
-                    block_ids: Sequence[int] | np.ndarray | None = None) -> int:
-        """Admit a request; by default slot s owns blocks s*B .. s*B+B-1."""
-        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+                    block_ids: Sequence[int] | np.ndarray | None = None,
+                    num_computed_tokens: int = 0) -> int:
+        """Admit a request and return its slot (validated whole before anything changes).
+
+        Parameters
+        ----------
+        req_id : str
+        prompt_token_ids : sequence of int
+            1-D, each in [0, vocab_size) when the vocab size is known.
+        block_ids : sequence of int, optional
+            Default: slot s owns blocks s*B .. s*B+B-1 (B = max_num_blocks_per_req).
+        num_computed_tokens : int
+            Prompt tokens already in the KV cache (prefix-cache hit, resume after
+            preemption); the step schedules the rest.
+        """
         st = self.state
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or (ids.size and (ids.dtype == bool
+                                           or not np.issubdtype(ids.dtype, np.integer))):
+            raise ValueError(f"prompt_token_ids of {req_id!r} must be a 1-D integer sequence, got "
+                             f"shape {ids.shape} dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or (self.vocab_size and ids.max() >= self.vocab_size)):
+            bad = ids[(ids < 0) | (ids >= (self.vocab_size or np.iinfo(np.int64).max))]
+            raise ValueError(f"prompt_token_ids of {req_id!r}: ids {bad[:8].tolist()} are outside "
+                             f"[0, vocab_size={self.vocab_size}]")
         if block_ids is None:
             free = int(np.flatnonzero(~st.active_np)[0]) if st.num_active < st.max_num_reqs else 0
             b = st.max_num_blocks_per_req
             block_ids = np.arange(free * b, (free + 1) * b)
-        slot = st.add_request(req_id, int(ids.shape[0]), block_ids)
-        self.token_ids[slot, : ids.shape[0]] = to_device(ids, st.device)
+        slot = st.add_request(req_id, int(ids.shape[0]), block_ids, num_computed_tokens)
+        self.token_ids[slot].zero_()  # nothing of the slot's previous occupant survives
+        self.token_ids[slot, : ids.shape[0]] = to_device(ids.astype(np.int64), st.device)
         self.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
         return slot
+
+    def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
+        """More KV-cache blocks for a running request (`RequestState.append_blocks`)."""
+        self.state.append_blocks(req_id, block_ids)
+
+    def resync(self) -> None:
+        """Restore the CPU mirror from the device truth after an interrupted step.
+
+        One explicit host sync (`RequestState.resync`); `step()` leaves mirror and
+        truth consistent by itself unless it was interrupted after its device
+        work was enqueued and before it returned.
+        """
+        self.state.resync()
 
     # -- the step on the device ------------------------------------------
     def _device_step(self, packed: torch.Tensor, plan: BatchPlan,
@@ -182,6 +234,7 @@ class GraphRunner:
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
         self.token_ids[batch.req_slots, col] = sampled
         st.advance_device(batch.req_slots, batch.num_scheduled)
+        self._device_advanced = True
         return logits, sampled
 
     def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
@@ -228,27 +281,58 @@ class GraphRunner:
         On a graph step the host plans on CPU, copies one packed buffer into
         the graph's static input and replays; everything else runs inside the
         graph. A key without a graph raises or runs eagerly at the key's
-        padded shapes (`on_missing`). `force_eager` runs unpadded with no key
-        (the benchmarks' eager baseline).
+        padded shapes (`on_missing`); with on_missing="error" a batch that fits
+        no key raises too. `force_eager` runs unpadded with no key (the
+        benchmarks' eager baseline).
+
+        The step takes effect whole or not at all: the schedule is validated
+        before anything changes, and the CPU mirror advances with the device
+        work (rolled back if that work was never enqueued). One thread at a
+        time: a concurrent call raises RuntimeError.
         """
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("GraphRunner.step() is already running in another thread; a "
+                               "runner and its state are driven by one thread")
+        try:
+            return self._step(sched, force_eager)
+        finally:
+            self._step_lock.release()
+
+    def _step(self, sched: SchedulerOutput, force_eager: bool) -> StepOutput:
         t0 = time.perf_counter()
         st, prof = self.state, self.profiler
         with prof.range("dispatch"):
             shape = st.batch_shape(sched, self.dispatcher.decode_query_len)
             key = None if force_eager else self.dispatcher.dispatch_shape(shape)
+            if key is None and not force_eager and self.graphs.on_missing == "error":
+                raise GraphNotCapturedError(
+                    f"no graph key fits the batch {shape.scalars} (reqs, tokens, max len, "
+                    "uniform) and on_missing='error' runs nothing eagerly")
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
             plan = plan_batch(st, sched, *pads, shape=shape)
-        with prof.range("replay" if replayed else "eager", key):
-            if key is None:
-                logits, sampled = self._device_step(to_device(plan.packed, st.device), plan, None)
-                logits, sampled = logits[: sched.num_reqs], sampled[: sched.num_reqs]
-            else:
-                logits, sampled = self.graphs.replay(key, {"packed": plan.packed},
-                                                     sched.num_reqs)
+        # the mirror advances with the device work: rolled back below if that work never ran
+        rows = sched.req_slots
+        saved = st.num_computed_tokens_np[rows].copy(), st.num_pending_drafts_np[rows].copy()
+        st.advance_mirror(sched)
+        self._device_advanced = False
+        try:
+            with prof.range("replay" if replayed else "eager", key):
+                if key is None:
+                    logits, sampled = self._device_step(to_device(plan.packed, st.device), plan,
+                                                        None)
+                    logits, sampled = logits[: sched.num_reqs], sampled[: sched.num_reqs]
+                else:
+                    logits, sampled = self.graphs.replay(key, {"packed": plan.packed},
+                                                         sched.num_reqs)
+                    self._device_advanced = True
+        except BaseException:
+            if not self._device_advanced:
+                st.num_computed_tokens_np[rows], st.num_pending_drafts_np[rows] = saved
+                st.num_steps -= 1
+            raise
         with prof.range("postprocess"):
-            st.advance_mirror(sched)
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)

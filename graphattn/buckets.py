@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from graphattn.checks import as_index
 
 __all__ = [
     "BucketPolicy",
@@ -18,13 +21,15 @@ __all__ = [
 ]
 
 
+MAX_SIZE = 1 << 20  # padded requests or tokens of one graph
+
+
 def validate_sizes(name: str, sizes: Sequence[int]) -> tuple[int, ...]:
-    """Return `sizes` as a tuple after checking it is sorted, unique and positive."""
-    out = tuple(int(s) for s in sizes)
+    """Return `sizes` as a tuple after checking it is sorted, unique, integral and in
+    [1, MAX_SIZE] (a larger size would allocate static buffers of that many rows)."""
+    out = tuple(as_index(f"{name}[{i}]", s, 1, MAX_SIZE) for i, s in enumerate(sizes))
     if not out:
         raise ValueError(f"{name} must not be empty")
-    if out[0] < 1:
-        raise ValueError(f"{name} must be positive, got {list(out)}")
     if any(b <= a for a, b in zip(out, out[1:], strict=False)):
         raise ValueError(f"{name} must be sorted and unique, got {list(out)}")
     return out
@@ -32,8 +37,7 @@ def validate_sizes(name: str, sizes: Sequence[int]) -> tuple[int, ...]:
 
 def default_capture_sizes(max_size: int = 512) -> tuple[int, ...]:
     """1, 2, 4, 8, then every multiple of 8 up to `max_size` (itself included)."""
-    if max_size < 1:
-        raise ValueError(f"max_size = {max_size}, expected >= 1")
+    as_index("max_size", max_size, 1, MAX_SIZE)
     sizes = [s for s in (1, 2, 4) if s < max_size] + list(range(8, max_size + 1, 8))
     if sizes[-1:] != [max_size]:
         sizes.append(max_size)
@@ -46,10 +50,16 @@ def pad_to_capture_size(n: int, capture_sizes: Sequence[int]) -> int | None:
     `capture_sizes` must be sorted ascending. n = 0 (an empty batch) pads to
     the smallest size, so the dummy run replays a graph too.
     """
-    if n < 0:
-        raise ValueError(f"n = {n}, expected >= 0")
+    n = as_index("n", n)
+    _check_sorted(tuple(capture_sizes))
     i = bisect.bisect_left(capture_sizes, n)
     return None if i == len(capture_sizes) else int(capture_sizes[i])
+
+
+@functools.lru_cache(maxsize=64)
+def _check_sorted(sizes: tuple[int, ...]) -> None:
+    if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+        raise ValueError(f"capture_sizes must be sorted ascending and unique, got {list(sizes)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +79,7 @@ class LengthBuckets:
     boundaries: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len = {self.max_model_len}, expected >= 1")
+        as_index("max_model_len", self.max_model_len, 1)
         if self.boundaries:
             b = [x for x in validate_sizes("boundaries", self.boundaries) if x < self.max_model_len]
         else:
@@ -167,5 +176,4 @@ class BucketPolicy:
         validate_sizes("capture_sizes", self.capture_sizes)
         if self.mixed_token_sizes:
             validate_sizes("mixed_token_sizes", self.mixed_token_sizes)
-        if self.decode_query_len < 1:
-            raise ValueError(f"decode_query_len = {self.decode_query_len}, expected >= 1")
+        as_index("decode_query_len", self.decode_query_len, 1, 1 << 10)

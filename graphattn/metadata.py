@@ -63,6 +63,8 @@ class CommonAttentionMetadata:
 
     def __post_init__(self) -> None:
         n = self.num_reqs
+        if n < 0:
+            raise ValueError(f"num_reqs = {n}, expected >= 0")
         shapes = {
             "query_start_loc": (self.query_start_loc, (n + 1,)),
             "query_start_loc_cpu": (self.query_start_loc_cpu, (n + 1,)),

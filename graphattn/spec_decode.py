@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphattn.state import RequestState, SchedulerOutput, _as_int_array
+from graphattn.checks import as_int32_array
+from graphattn.state import RequestState, SchedulerOutput
 
-__all__ = ["RejectionFeedback", "apply_rejections", "verify_schedule"]
+__all__ = ["FeedbackResult", "RejectionFeedback", "apply_rejections", "verify_schedule"]
 
 
 @dataclass(slots=True)
@@ -30,20 +31,34 @@ class RejectionFeedback:
         int32 [n], drafts each request had in that step.
     num_rejected_tokens : np.ndarray
         int32 [n], drafts the verifier rejected, 0..num_draft_tokens.
+    generations : np.ndarray, optional
+        int64 [n], `RequestState.generation_np` of each row when the step ran.
+    step : int, optional
+        The step's id (`RequestState.num_steps` before it advanced). With
+        `generations`, feedback is checked row by row (`apply_rejections`).
+        `RejectionFeedback.of_step` fills both.
     """
 
     req_slots: np.ndarray
     num_draft_tokens: np.ndarray
     num_rejected_tokens: np.ndarray
+    generations: np.ndarray | None = None
+    step: int | None = None
 
     def __post_init__(self) -> None:
-        self.req_slots = _as_int_array("req_slots", self.req_slots)
-        self.num_draft_tokens = _as_int_array("num_draft_tokens", self.num_draft_tokens)
-        self.num_rejected_tokens = _as_int_array("num_rejected_tokens", self.num_rejected_tokens)
+        self.req_slots = as_int32_array("req_slots", self.req_slots, 0)
+        self.num_draft_tokens = as_int32_array("num_draft_tokens", self.num_draft_tokens, 0)
+        self.num_rejected_tokens = as_int32_array("num_rejected_tokens", self.num_rejected_tokens,
+                                                  0)
         n = self.req_slots.shape[0]
-        for name in ("num_draft_tokens", "num_rejected_tokens"):
-            if getattr(self, name).shape[0] != n:
-                raise ValueError(f"{name} has {getattr(self, name).shape[0]} entries, expected {n}")
+        if (self.generations is None) != (self.step is None):
+            raise ValueError("generations and step go together (see RejectionFeedback.of_step)")
+        if self.generations is not None:
+            self.generations = np.array(self.generations, dtype=np.int64, copy=True)
+        for name in ("num_draft_tokens", "num_rejected_tokens", "generations"):
+            arr = getattr(self, name)
+            if arr is not None and arr.shape != (n,):
+                raise ValueError(f"{name} has {arr.shape[0]} entries, expected {n}")
         bad = (self.num_rejected_tokens < 0) | (self.num_rejected_tokens > self.num_draft_tokens)
         if bad.any():
             i = int(np.argmax(bad))
@@ -51,6 +66,36 @@ class RejectionFeedback:
                 f"num_rejected_tokens[{i}] = {self.num_rejected_tokens[i]}, expected in "
                 f"[0, num_draft_tokens={self.num_draft_tokens[i]}]"
             )
+
+
+    @classmethod
+    def of_step(cls, state: RequestState, sched: SchedulerOutput,
+                num_rejected_tokens: np.ndarray) -> RejectionFeedback:
+        """Feedback of the step `sched` that just advanced `state` (call right after it)."""
+        if sched.num_draft_tokens is None:
+            raise ValueError("sched has no num_draft_tokens: nothing to verify")
+        return cls(sched.req_slots, sched.num_draft_tokens, num_rejected_tokens,
+                   state.generation_np[sched.req_slots], state.num_steps - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackResult:
+    """What `apply_rejections` did with each row.
+
+    Attributes
+    ----------
+    applied : np.ndarray
+        bool [n]: rows whose rejections corrected the mirror.
+    stale : np.ndarray
+        bool [n]: refused, the slot now holds another request (or none).
+    duplicate : np.ndarray
+        bool [n]: refused, this step's feedback was applied already (or drafts
+        beyond those awaiting verification).
+    """
+
+    applied: np.ndarray
+    stale: np.ndarray
+    duplicate: np.ndarray
 
 
 def verify_schedule(state: RequestState, req_slots: np.ndarray, num_draft_tokens: np.ndarray,
@@ -65,38 +110,56 @@ def verify_schedule(state: RequestState, req_slots: np.ndarray, num_draft_tokens
     num_draft_tokens : np.ndarray
         int32 [n], >= 0.
     """
-    drafts = _as_int_array("num_draft_tokens", num_draft_tokens)
-    if drafts.size and drafts.min() < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got min {drafts.min()}")
+    drafts = as_int32_array("num_draft_tokens", num_draft_tokens, 0, 1 << 16)
     sched = SchedulerOutput(req_slots, drafts + 1, drafts)
     state.check_schedule(sched)
     return sched
 
 
-def apply_rejections(state: RequestState, feedback: RejectionFeedback) -> None:
+def apply_rejections(state: RequestState, feedback: RejectionFeedback) -> FeedbackResult:
     """Correct the CPU mirror with rejected counts that reached the CPU.
 
     mirror -= num_rejected; the bound stays >= the true length, and equals it
     once every step's feedback has been applied.
 
+    Feedback with generations and a step id (`RejectionFeedback.of_step`) is
+    checked row by row: a row of a request that finished or was preempted
+    (another generation in the slot) is refused as stale, a row whose step was
+    applied already is refused as a duplicate, and the live rows are applied.
+    Feedback without them must be exact for every row, or it is refused whole.
+
     Raises
     ------
     ValueError
-        If a request has fewer unverified drafts than the feedback names (the
-        feedback was applied twice, or belongs to another request).
+        Feedback without generations naming a free slot, or more drafts than
+        await verification (applied twice, or another request's).
     """
     slots = feedback.req_slots
-    if slots.size == 0:
-        return
-    if not state.active_np[slots].all():
-        raise ValueError(f"req_slots {slots[~state.active_np[slots]].tolist()} hold no request")
+    n = slots.shape[0]
+    none = np.zeros(n, dtype=bool)
+    if n == 0:
+        return FeedbackResult(none, none, none)
+    if (slots >= state.max_num_reqs).any():
+        raise ValueError(f"req_slots must be in [0, {state.max_num_reqs}), got {slots.tolist()}")
     pending = state.num_pending_drafts_np[slots]
     over = feedback.num_draft_tokens > pending
-    if over.any():
-        i = int(np.argmax(over))
-        raise ValueError(
-            f"slot {slots[i]}: feedback for {feedback.num_draft_tokens[i]} drafts, but only "
-            f"{pending[i]} await verification"
-        )
-    state.num_pending_drafts_np[slots] -= feedback.num_draft_tokens
-    state.num_computed_tokens_np[slots] -= feedback.num_rejected_tokens
+    if feedback.generations is None:
+        if not state.active_np[slots].all():
+            raise ValueError(
+                f"req_slots {slots[~state.active_np[slots]].tolist()} hold no request")
+        if over.any():
+            i = int(np.argmax(over))
+            raise ValueError(
+                f"slot {slots[i]}: feedback for {feedback.num_draft_tokens[i]} drafts, but only "
+                f"{pending[i]} await verification"
+            )
+        ok = ~none
+        stale = dup = none
+    else:
+        stale = ~state.active_np[slots] | (state.generation_np[slots] != feedback.generations)
+        dup = ~stale & ((state.last_feedback_step_np[slots] >= feedback.step) | over)
+        ok = ~stale & ~dup
+        state.last_feedback_step_np[slots[ok]] = feedback.step
+    state.num_pending_drafts_np[slots[ok]] -= feedback.num_draft_tokens[ok]
+    state.num_computed_tokens_np[slots[ok]] -= feedback.num_rejected_tokens[ok]
+    return FeedbackResult(ok, stale, dup)

@@ -23,10 +23,6 @@ from graphattn.transfer import to_device
 __all__ = ["RequestState", "SchedulerOutput"]
 
 
-def _as_int_array(name: str, value: np.ndarray | Sequence[int]) -> np.ndarray:
-    return as_int32_array(name, value)
-
-
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's schedule, as CPU numbers.

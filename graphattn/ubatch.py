@@ -61,6 +61,9 @@ def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) 
     torch.Tensor
         int32 [len(request_slice) + 1], same device.
     """
+    if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"query_start_loc must be 1-D with num_reqs + 1 >= 1 entries, got "
+                         f"shape {tuple(query_start_loc.shape)}")
     n = query_start_loc.shape[0] - 1
     if not 0 <= request_slice.start <= request_slice.stop <= n:
         raise ValueError(f"request_slice {request_slice} out of range for {n} requests")
@@ -91,13 +94,24 @@ def make_metadata_with_slice(
                          f"metadata has {m.num_tokens_padded} tokens")
     qsl_full = m.query_start_loc_cpu.numpy()
     first_start, last_end = int(qsl_full[rs]), int(qsl_full[re])
-    if re > rs and not (first_start <= ts and (te <= last_end or te >= qsl_full[-1])):
+    real_total = int(qsl_full[-1])
+    # past last_end only padded tokens may follow (no real token of a later request)
+    if re > rs and not (first_start <= ts and (te <= last_end or last_end == real_total)):
         raise ValueError(
             f"token_slice {ubatch_slice.token_slice} is not inside the tokens "
             f"[{first_start}, {last_end}) of request_slice {ubatch_slice.request_slice}"
+            + (" (tokens of later requests follow)" if te > last_end else "")
         )
-    real_end = min(te, int(qsl_full[-1]))
+    real_end = min(te, real_total)
     qsl_cpu = np.clip(qsl_full[rs : re + 1], ts, max(real_end, ts)) - ts
+    emptied = (np.diff(qsl_full[rs : re + 1]) > 0) & (np.diff(qsl_cpu) == 0)
+    if emptied.any():
+        i = rs + int(np.argmax(emptied))
+        raise ValueError(
+            f"token_slice {ubatch_slice.token_slice} leaves request {i} of request_slice "
+            f"{ubatch_slice.request_slice} with no query token (its tokens are "
+            f"[{qsl_full[i]}, {qsl_full[i + 1]})): drop it from the request slice"
+        )
     qsl_dev = torch.clamp(m.query_start_loc[rs : re + 1], min=ts, max=max(real_end, ts)) - ts
     trim_last = max(last_end - real_end, 0) if re > rs else 0
 
@@ -141,7 +155,16 @@ def make_metadata_with_slice(
 def split_attn_metadata(
     ubatch_slices: list[UBatchSlice], common_attn_metadata: CommonAttentionMetadata
 ) -> list[CommonAttentionMetadata]:
-    """One CommonAttentionMetadata per slice (see `make_metadata_with_slice`)."""
+    """One CommonAttentionMetadata per slice (see `make_metadata_with_slice`).
+
+    The token slices must follow each other (each starts where the previous stopped).
+    """
+    for a, b in zip(ubatch_slices, ubatch_slices[1:], strict=False):
+        if b.token_slice.start != a.token_slice.stop or \
+                b.request_slice.start < a.request_slice.start:
+            raise ValueError(
+                f"ubatch slices must be consecutive and increasing: {a} then {b}"
+            )
     return [make_metadata_with_slice(s, common_attn_metadata) for s in ubatch_slices]
 
 

@@ -17,6 +17,7 @@ from graphattn.backends.kernels import (
 )
 from graphattn.backends.paged import check_key_fits
 from graphattn.backends.registry import BackendMetadata, PadValue
+from graphattn.checks import as_int32_array
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.transfer import to_device
@@ -91,15 +92,19 @@ class CrossAttentionBuilder:
             int32 [rows, blocks]: the encoder cache blocks per row, CPU and device.
         """
         rows = common.num_reqs
-        enc = np.asarray(encoder_seq_lens_np, dtype=np.int32)
-        if enc.shape != (rows,) or cross_block_table_np.shape[0] != rows:
+        enc = as_int32_array("encoder_seq_lens_np", encoder_seq_lens_np, 0, self.max_encoder_len)
+        cbt = np.asarray(cross_block_table_np)
+        if enc.shape != (rows,) or cbt.ndim != 2 or cbt.shape[0] != rows:
             raise ValueError(
-                f"encoder_seq_lens {enc.shape} / cross_block_table "
-                f"{cross_block_table_np.shape}: expected {rows} rows"
+                f"encoder_seq_lens_np {enc.shape} / cross_block_table_np {cbt.shape}: expected "
+                f"({rows},) and ({rows}, blocks)"
             )
-        if enc.size and enc.max() > self.max_encoder_len:
+        need = -(-int(enc.max(initial=0)) // self.block_size)
+        if cbt.shape[1] < need or cross_block_table.shape != cbt.shape:
             raise ValueError(
-                f"encoder length {enc.max()} exceeds max_encoder_len {self.max_encoder_len}"
+                f"cross_block_table_np has {cbt.shape[1]} columns (device copy "
+                f"{tuple(cross_block_table.shape)}), expected >= {need} for encoder length "
+                f"{int(enc.max(initial=0))} and the same shape on both"
             )
         qlens = common.query_lens_cpu
         computed = common.num_computed_tokens_cpu_upper_bound

@@ -19,8 +19,10 @@ def test_default_capture_sizes():
 
 
 @pytest.mark.parametrize("sizes, match", [
-    ([], "must not be empty"), ([0, 1], "positive"), ([2, 1], "sorted and unique"),
-    ([1, 1], "sorted and unique")])
+    ([], "must not be empty"), ([0, 1], r"capture_sizes\[0\] = 0, expected in \[1, "),
+    ([2, 1], "sorted and unique"), ([1, 1], "sorted and unique"),
+    ([1.5], r"capture_sizes\[0\] must be an integer, got 1.5"),
+    ([1, 10**12], r"capture_sizes\[1\] = 1000000000000, expected in \[1, 1048576\]")])
 def test_validate_sizes(sizes, match):
     with pytest.raises(ValueError, match=match):
         validate_sizes("capture_sizes", sizes)

@@ -45,6 +45,6 @@ def test_feedback_validation():
         apply_rejections(st, fb)
     with pytest.raises(ValueError, match=r"req_slots \[2\] hold no request"):
         apply_rejections(st, RejectionFeedback(np.array([2]), np.array([0]), np.array([0])))
-    with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
+    with pytest.raises(ValueError, match=r"num_draft_tokens\[0\] = -1, expected in \[0, 65536\]"):
         verify_schedule(st, np.array([0]), np.array([-1]))
     apply_rejections(st, RejectionFeedback(np.array([], int), np.array([], int), np.array([], int)))

@@ -75,7 +75,12 @@ def test_graph_key_rejects_encoder_writes_and_bad_input():
     key = GraphKey(common.num_reqs, common.num_tokens_padded, 128, False)
     with pytest.raises(ValueError, match="cannot write encoder tokens"):
         builder.build(common, enc, bt, torch.from_numpy(bt), key)
-    with pytest.raises(ValueError, match="exceeds max_encoder_len 24"):
+    with pytest.raises(ValueError, match=r"encoder_seq_lens_np\[0\] = 35, expected in \[0, 24\]"):
         builder.build(common, enc + 30, bt, torch.from_numpy(bt))
-    with pytest.raises(ValueError, match="expected .* rows"):
+    with pytest.raises(ValueError, match=r"encoder_seq_lens_np\[0\] = -1, expected in \[0, 24\]"):
+        builder.build(common, enc - 6, bt, torch.from_numpy(bt))
+    with pytest.raises(ValueError, match=r"expected \(\d+,\) and \(\d+, blocks\)"):
         builder.build(common, enc[:-1], bt, torch.from_numpy(bt))
+    narrow = bt[:, :1]  # 1 block of 4 for an encoder of 20
+    with pytest.raises(ValueError, match="cross_block_table_np has 1 columns .* expected >= 5"):
+        builder.build(common, enc + 15, narrow, torch.from_numpy(narrow))
