@@ -306,8 +306,9 @@ class GraphRunner:
             key = None if force_eager else self.dispatcher.dispatch_shape(shape)
             if key is None and not force_eager and self.graphs.on_missing == "error":
                 raise GraphNotCapturedError(
-                    f"no graph key fits the batch {shape.scalars} (reqs, tokens, max len, "
-                    "uniform) and on_missing='error' runs nothing eagerly")
+                    f"no graph key fits the batch (reqs {shape.num_reqs}, tokens "
+                    f"{shape.num_tokens}, max len {shape.max_seq_len}, uniform "
+                    f"{shape.uniform_decode}) and on_missing='error' runs nothing eagerly")
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)

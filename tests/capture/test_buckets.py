@@ -64,3 +64,11 @@ def test_padding_stats():
     with pytest.raises(ValueError, match="below real"):
         s.record(5, 4, 5, 5)
     assert PaddingStats().token_waste == 0.0
+
+
+def test_pad_to_capture_size_refuses_unsorted_and_fractional_input():
+    with pytest.raises(ValueError, match=r"capture_sizes must be sorted ascending and unique, "
+                                         r"got \[8, 2\]"):
+        pad_to_capture_size(3, (8, 2))
+    with pytest.raises(ValueError, match="n must be an integer, got 2.5"):
+        pad_to_capture_size(2.5, (1, 4))

@@ -100,3 +100,19 @@ def test_slices_cover_batch_under_no_host_sync(device):
         parts = split_attn_metadata(slices, m)
     assert sum(p.num_actual_tokens for p in parts) == m.num_actual_tokens
     assert sum(p.slot_mapping.shape[0] for p in parts) == m.num_tokens_padded
+
+
+def test_slices_that_would_read_wrong_kv_are_refused():
+    _, _, _, m = two_request_batch()  # qsl [0,3,9,9,9]
+    with pytest.raises(ValueError, match=r"not inside the tokens \[0, 3\).*later requests follow"):
+        make_metadata_with_slice(UBatchSlice(slice(0, 1), slice(0, 12)), m)
+    with pytest.raises(ValueError, match=r"leaves request 0 .* with no query token"):
+        make_metadata_with_slice(UBatchSlice(slice(0, 2), slice(3, 9)), m)
+    with pytest.raises(ValueError, match="consecutive and increasing"):
+        split_attn_metadata([UBatchSlice(slice(1, 4), slice(5, 12)),
+                             UBatchSlice(slice(0, 2), slice(0, 5))], m)
+    with pytest.raises(ValueError, match=r"query_start_loc must be 1-D with num_reqs \+ 1 >= 1"):
+        slice_query_start_locs(torch.zeros(0, dtype=torch.int32), slice(0, 0))
+    # the padded tail may follow the last real request
+    tail = make_metadata_with_slice(UBatchSlice(slice(1, 4), slice(3, 12)), m)
+    assert tail.query_start_loc_cpu.tolist() == [0, 6, 6, 6]

@@ -1,0 +1,157 @@
+"""A runner step takes effect whole or not at all, and bad input is refused before anything
+changes (each case reproduces a defect found by an adversarial run)."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from graphattn.buckets import BucketPolicy
+from graphattn.capture.graphs import GraphNotCapturedError
+from graphattn.capture.profiling import StageProfiler
+from graphattn.capture.runner import GraphRunner
+from graphattn.models.tiny import TinyConfig, TinyDecoder
+from graphattn.state import RequestState, SchedulerOutput
+from graphattn.workload import device_truth
+
+
+class Interrupt(Exception):
+    pass
+
+
+class FlakyProfiler(StageProfiler):
+    """Raises at a chosen range enter or exit (a fault or Ctrl-C anywhere in a step)."""
+
+    def __init__(self):
+        super().__init__(nvtx_ranges=False, torch_labels=False)
+        self.fail_at = None
+        self.count = 0
+
+    def range(self, stage, key=None):
+        prof = self
+
+        class R:
+            def __enter__(self):
+                prof._tick()
+
+            def __exit__(self, *exc):
+                prof._tick()
+
+        return R()
+
+    def _tick(self):
+        self.count += 1
+        if self.count == self.fail_at:
+            raise Interrupt(f"at event {self.count}")
+
+
+def make(policy=None, **kw):
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).double()
+    st = RequestState(4, 64, 8)
+    model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
+    policy = policy or BucketPolicy(capture_sizes=(2, 4), length_boundaries=(32,),
+                                    mixed_token_sizes=(16,))
+    return model, st, GraphRunner(model, st, policy=policy, **kw)
+
+
+def test_interrupted_steps_leave_mirror_equal_to_truth():
+    model, st, runner = make(profiler=FlakyProfiler())
+    runner.capture(progress=False)
+    prof = runner.profiler
+    rng = np.random.default_rng(0)
+    prompts = {runner.add_request(f"r{i}", rng.integers(0, 64, 12)): 12 for i in range(3)}
+    slots = np.array(sorted(prompts), np.int32)
+    interrupted = 0
+    for step in range(60):
+        left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
+        sched = SchedulerOutput(slots, np.where(left > 0, np.minimum(left, 5), 1))
+        if st.num_computed_tokens_np[slots].max() + 5 >= st.max_model_len:
+            break
+        prof.count, prof.fail_at = 0, int(rng.integers(1, 12)) if step % 2 else None
+        forward = runner.forward
+        if step % 7 == 3:  # a fault inside the model itself
+            def boom(*a, **k):
+                raise Interrupt("forward")
+            runner.forward = boom
+        try:
+            runner.step(sched)
+        except Interrupt:
+            interrupted += 1
+        finally:
+            runner.forward = forward
+        np.testing.assert_array_equal(st.num_computed_tokens_np[slots], device_truth(st)[slots])
+    assert interrupted > 10
+
+
+def test_prompt_ids_validated_before_any_change():
+    _, st, runner = make()
+    for ids, match in [([[1, 2]], r"must be a 1-D integer sequence, got shape \(1, 2\)"),
+                       ([1, 64], r"ids \[64\] are outside \[0, vocab_size=64\]"),
+                       ([-3, 1], r"ids \[-3\] are outside"),
+                       ([0.5], "1-D integer sequence")]:
+        with pytest.raises(ValueError, match=match):
+            runner.add_request("x", ids)
+        assert st.num_active == 0 and "x" not in st.req_id_to_slot
+
+
+def test_bad_slot_gets_the_schedule_error():
+    _, st, runner = make()
+    runner.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"req_slots must be in \[0, 4\), got min 9 max 9"):
+        runner.step(SchedulerOutput(np.array([9]), np.array([1])))
+
+
+def test_prefix_hit_admission_resets_the_slot():
+    model, st, runner = make()
+    prompt = list(range(1, 20))
+    a = runner.add_request("a", prompt)
+    runner.step(SchedulerOutput(np.array([a]), np.array([19])))  # KV of the prompt cached
+    st.remove_request("a")
+    b = runner.add_request("b", prompt + [7, 9], num_computed_tokens=19)  # same slot, blocks
+    assert b == a and st.num_computed_tokens_np[b] == 19
+    # nothing of a's (its sampled token at position 19) survives past b's prompt
+    assert runner.token_ids[b, 21:].abs().sum().item() == 0
+    out = runner.step(SchedulerOutput(np.array([b]), np.array([2])))
+    ref = model.reference_logits(torch.tensor(prompt + [7, 9]))[-1]
+    torch.testing.assert_close(out.logits[0], ref, rtol=1e-9, atol=1e-9)
+
+
+def test_concurrent_step_refused():
+    model, st, runner = make()
+    runner.add_request("a", [1, 2, 3])
+    sched = SchedulerOutput(np.array([0]), np.array([1]))
+    errors = []
+    forward = runner.forward
+
+    def slow_forward(inputs, meta):
+        t = threading.Thread(target=lambda: errors.append(_try(runner.step, sched)))
+        t.start()
+        t.join()
+        return forward(inputs, meta)
+
+    runner.forward = slow_forward
+    runner.step(SchedulerOutput(np.array([0]), np.array([3])))
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "already running in another thread" in str(errors[0])
+    np.testing.assert_array_equal(st.num_computed_tokens_np[:1], device_truth(st)[:1])
+
+
+def _try(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def test_on_missing_error_never_runs_eager():
+    _, st, runner = make(on_missing="error")
+    runner.capture(progress=False)
+    runner.add_request("a", list(range(30)))
+    with pytest.raises(GraphNotCapturedError, match="no graph key fits the batch"):
+        runner.step(SchedulerOutput(np.array([0]), np.array([30])))  # 30 tokens > 16
+    assert st.num_computed_tokens_np[0] == 0 and device_truth(st)[0] == 0
+    runner.step(SchedulerOutput(np.array([0]), np.array([10])))  # fits the mixed key
+    assert st.num_computed_tokens_np[0] == 10
