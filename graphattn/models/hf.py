@@ -1,10 +1,18 @@
 """Run a transformers decoder (Llama and alike) on graphattn's paged backend.
 
-The model's own modules run unchanged; attention goes through a function
-registered in transformers' AttentionInterface, which reads graphattn
-metadata and a paged KV cache instead of HF's cache and mask. The causal
-mask builder of the model is bypassed (it inspects position data on the
-host), so the whole step stays sync-free and capturable.
+The model's own decoder layers run unchanged; attention goes through a
+function registered in transformers' AttentionInterface, which reads graphattn
+metadata and a paged KV cache instead of HF's cache and mask, with each
+layer's own scaling, sliding window, logit softcap and sinks. The causal mask
+builder of the model is bypassed (it inspects position data on the host), so
+the whole step stays sync-free and capturable.
+
+The top level (embedding, final norm, LM head) is the Llama family's, so only
+families whose top level is exactly that are accepted (`SUPPORTED`); any other
+model, and any model-level feature this wrapper would skip, is refused when
+wrapping, naming the class and the feature. Wrapping leaves the user's model
+usable as before: its attention implementation is switched only while our
+forward runs.
 """
 
 from __future__ import annotations
@@ -17,20 +25,69 @@ from torch import nn
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 
-__all__ = ["HFCausalLM", "ATTN_NAME"]
+__all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported"]
 
 ATTN_NAME = "graphattn_paged"
+# model_type -> checked against the model's own generate() token for token (tests)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+# why the others are refused (the top level or a layer does what this wrapper would skip)
+_REASONS = {
+    "gemma": "the embedding is scaled by sqrt(hidden_size) in the model's own forward",
+    "gemma2": "the embedding normalizer and the final logit softcap live in the model's own "
+              "forward",
+    "gemma3": "rotary embeddings differ per layer type (local / global)",
+    "gemma3_text": "rotary embeddings differ per layer type (local / global)",
+    "granite": "embedding_multiplier and logits_scaling live in the model's own forward",
+    "gpt_oss": "mixture-of-experts routing has data-dependent shapes (host reads)",
+    "gpt2": "not the Llama layout (transformer.wte / h / ln_f, learned positions)",
+    "gpt_neox": "not the Llama layout (gpt_neox.embed_in / layers / final_layer_norm)",
+    "bart": "encoder-decoder: needs the cross backend with encoder outputs",
+    "whisper": "encoder-decoder: needs the cross backend with encoder outputs",
+}
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError naming the class and the feature unless `model` runs right here."""
+    cfg = model.config
+    name, mtype = type(model).__name__, getattr(cfg, "model_type", "?")
+    if mtype not in SUPPORTED:
+        reason = _REASONS.get(mtype)
+        if reason is None and getattr(cfg, "is_encoder_decoder", False):
+            reason = _REASONS["bart"]
+        experts = max((v for k, v in vars(cfg).items()
+                       if k in ("num_experts", "num_local_experts", "n_routed_experts")
+                       and isinstance(v, int)), default=0)
+        if reason is None and experts > 1:
+            reason = _REASONS["gpt_oss"]
+        raise ValueError(
+            f"{name} (model_type {mtype!r}) is not supported by graphattn.models.hf: "
+            f"{reason or 'not among the families checked against generate()'}; supported: "
+            f"{', '.join(SUPPORTED)}"
+        )
+    inner = getattr(model, "model", None)
+    missing = [a for a in ("embed_tokens", "rotary_emb", "layers", "norm")
+               if not hasattr(inner, a)] + ([] if hasattr(model, "lm_head") else ["lm_head"])
+    if missing:
+        raise ValueError(f"{name}: the Llama layout needs model.model.{{embed_tokens, rotary_emb, "
+                         f"layers, norm}} and lm_head; missing {missing}")
+    for attr in ("final_logit_softcapping", "logits_scaling", "embedding_multiplier"):
+        v = getattr(cfg, attr, None)
+        if v not in (None, 1, 1.0):
+            raise ValueError(f"{name}: {attr}={v} is applied in the model's own forward, which "
+                             "graphattn.models.hf does not run")
 
 
 def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
-                         dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                         dropout: float = 0.0, sliding_window: int | None = None,
+                         softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     ctx: HFCausalLM = kwargs["graphattn_runner"]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = ctx.impl_for(module, scaling).forward(q, k, v, ctx.caches[module.layer_idx],
-                                               kwargs["graphattn_metadata"])
+    impl = ctx.impl_for(module, scaling, sliding_window, softcap, s_aux)
+    out = impl.forward(q, k, v, ctx.caches[module.layer_idx], kwargs["graphattn_metadata"])
     return out.unsqueeze(0), None
 
 
@@ -46,28 +103,34 @@ class HFCausalLM:
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        E.g. LlamaForCausalLM; needs ``model.model.{embed_tokens, rotary_emb,
-        layers, norm}`` and ``model.lm_head`` (the Llama family layout).
+        A model of the `SUPPORTED` families (``model.model.{embed_tokens,
+        rotary_emb, layers, norm}`` and ``model.lm_head``); others are refused
+        (`check_supported`).
     """
 
     def __init__(self, model: nn.Module) -> None:
+        check_supported(model)
         _register()
         self.model = model.eval()
         cfg = model.config
-        cfg._attn_implementation = ATTN_NAME
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._impls: dict[float, PagedAttentionImpl] = {}
+        self._impls: dict[tuple, PagedAttentionImpl] = {}
 
-    def impl_for(self, module: nn.Module, scaling: float | None) -> PagedAttentionImpl:
+    def impl_for(self, module: nn.Module, scaling: float | None, window: int | None = None,
+                 softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> PagedAttentionImpl:
+        """The paged impl of a layer's attention features (cached per feature set)."""
         s = float(scaling if scaling is not None else self.head_dim ** -0.5)
-        if s not in self._impls:
-            self._impls[s] = PagedAttentionImpl(self.num_heads, self.head_dim, self.num_kv_heads,
-                                                scale=s)
-        return self._impls[s]
+        key = (s, int(window or 0), float(softcap or 0.0), None if sinks is None else id(sinks))
+        if key not in self._impls:
+            self._impls[key] = PagedAttentionImpl(self.num_heads, self.head_dim,
+                                                  self.num_kv_heads, scale=s, window=key[1],
+                                                  softcap=key[2], sinks=sinks)
+        return self._impls[key]
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> None:
         p = next(self.model.parameters())
@@ -79,12 +142,18 @@ class HFCausalLM:
                  attn_metadata: PagedAttentionMetadata) -> torch.Tensor:
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
-        inner = self.model.model
-        pos = inputs["positions"][None]
-        h = inner.embed_tokens(inputs["input_ids"][None])
-        pe = inner.rotary_emb(h, position_ids=pos)
-        for layer in inner.layers[: self.num_layers]:
-            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
-                        graphattn_runner=self, graphattn_metadata=attn_metadata)
-            h = out[0] if isinstance(out, tuple) else out
-        return self.model.lm_head(inner.norm(h))[0]
+        cfg = self.model.config
+        user_impl = cfg._attn_implementation
+        cfg._attn_implementation = ATTN_NAME  # only while our forward runs
+        try:
+            inner = self.model.model
+            pos = inputs["positions"][None]
+            h = inner.embed_tokens(inputs["input_ids"][None])
+            pe = inner.rotary_emb(h, position_ids=pos)
+            for layer in inner.layers[: self.num_layers]:
+                out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
+                            graphattn_runner=self, graphattn_metadata=attn_metadata)
+                h = out[0] if isinstance(out, tuple) else out
+            return self.model.lm_head(inner.norm(h))[0]
+        finally:
+            cfg._attn_implementation = user_impl

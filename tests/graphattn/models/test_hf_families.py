@@ -1,0 +1,89 @@
+"""Families through HFCausalLM: token for token equal to each model's own generate() (tiny
+random configs, chunked prefill), or refused when wrapping with the class and the reason."""
+
+import numpy as np
+import pytest
+import torch
+
+from graphattn.buckets import BucketPolicy
+from graphattn.capture.runner import GraphRunner
+from graphattn.state import RequestState, SchedulerOutput
+from graphattn.sync import no_host_sync
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral_window8": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+
+
+def build(cfg_name, model_name, extra):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_name)(**{**SMALL, **extra})
+    model = getattr(transformers, model_name)(cfg).eval()
+    model.config._attn_implementation = "eager"
+    # greedy through EOS too (min_new_tokens would mask EOS logits, which the runner keeps)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_own_generate(family):
+    from graphattn.models.hf import HFCausalLM
+
+    model = build(*FAMILIES[family])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n) for n in (13, 5, 9, 3)]
+    new = 20
+    expected = [model.generate(torch.tensor(p)[None], max_new_tokens=new,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+    hf = HFCausalLM(model)  # the user's model itself, no copy
+    st = RequestState(4, 64, 8)
+    hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
+    runner = GraphRunner(hf, st, policy=BucketPolicy(capture_sizes=(4,),
+                                                     length_boundaries=(32,)))
+    runner.capture(progress=False)
+    slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
+    got = [[] for _ in prompts]
+    while min(len(g) for g in got) < new:
+        left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
+        sched = SchedulerOutput(slots, np.where(left > 0, np.minimum(left, 6), 1))
+        with no_host_sync():
+            out = runner.step(sched)
+        for j, s in enumerate(slots):
+            if st.num_computed_tokens_np[s] >= len(prompts[j]) and len(got[j]) < new:
+                got[j].append(int(out.sampled[j]))
+    assert got == expected
+    # the user's model still works as before
+    again = model.generate(torch.tensor(prompts[0])[None], max_new_tokens=3, do_sample=False)
+    assert again[0, len(prompts[0]):].tolist() == expected[0][:3]
+
+
+REFUSED = {
+    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": 16}, "final logit softcap"),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": 16}, "differ per layer type"),
+    "GraniteForCausalLM": ("GraniteConfig", {"embedding_multiplier": 12.0},
+                           "embedding_multiplier and logits_scaling"),
+    "GPT2LMHeadModel": ("GPT2Config", {}, "not the Llama layout"),
+    "GPTNeoXForCausalLM": ("GPTNeoXConfig", {}, "not the Llama layout"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {}, "mixture-of-experts"),
+}
+
+
+@pytest.mark.parametrize("model_name", sorted(REFUSED))
+def test_unsupported_families_refused_when_wrapping(model_name):
+    from graphattn.models.hf import HFCausalLM
+
+    cfg_name, extra, reason = REFUSED[model_name]
+    cfg = getattr(transformers, cfg_name)(**{**SMALL, **extra})
+    model = getattr(transformers, model_name)(cfg)
+    with pytest.raises(ValueError, match=rf"{model_name} \(model_type .*{reason}"):
+        HFCausalLM(model)
