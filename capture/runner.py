@@ -25,10 +25,12 @@ from graphattn.capture.profiling import StageProfiler
 from graphattn.compile import BucketCompiler
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
+from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import to_device
 
-__all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "StepOutput"]
+__all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "SamplingParams", "StepOutput",
+           "TokenFuture"]
 
 # forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
 ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
@@ -45,7 +47,14 @@ class StepOutput:
         [num_reqs, vocab] at each request's last scheduled token (on CUDA a
         view of graph memory, valid until the next step).
     sampled : torch.Tensor
-        int64 [num_reqs] greedy tokens, already written to the token buffer.
+        int64 [num_reqs] sampled tokens (greedy unless the request's
+        SamplingParams say otherwise), already written to the token buffer.
+    sampled_host : TokenFuture
+        The same tokens on their way to the host: ``wait()`` returns them as
+        np.ndarray int64 [num_reqs], blocking on this step's event only.
+    logprobs : torch.Tensor or None
+        float32 [num_reqs] log-probabilities of `sampled` (runners built with
+        ``sampling=True``).
     key : GraphKey or None
         The key whose padded shapes the step ran at; None when it ran eager at
         its own shapes (no key fits, or force_eager).
@@ -61,7 +70,57 @@ class StepOutput:
     key: GraphKey | None
     replayed: bool
     host_seconds: float
+    sampled_host: TokenFuture | None = None
+    logprobs: torch.Tensor | None = None
 
+
+class TokenFuture:
+    """A step's sampled tokens on their way to the host.
+
+    On CUDA a non-blocking copy into a pinned ring slot followed by an event;
+    `wait()` blocks on that event alone (never on later steps). Elsewhere the
+    copy happens in `wait()`.
+    """
+
+    __slots__ = ("_src", "_host", "_event")
+
+    def __init__(self, src: torch.Tensor, host: torch.Tensor | None,
+                 event: torch.cuda.Event | None) -> None:
+        self._src, self._host, self._event = src, host, event
+
+    def ready(self) -> bool:
+        """True when `wait()` would not block."""
+        return self._event is None or self._event.query()
+
+    def wait(self) -> np.ndarray:
+        """int64 [num_reqs] tokens (blocks until this step's copy has landed)."""
+        if self._event is not None:
+            self._event.synchronize()
+            return self._host.numpy().astype(np.int64, copy=True)
+        return self._src.to("cpu").numpy().astype(np.int64, copy=True)
+
+
+class _OutputRing:
+    """Pinned host slots (CUDA) that a step's tokens are copied into without blocking."""
+
+    def __init__(self, max_num_reqs: int, device: torch.device, depth: int = 4) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=self.cuda)
+                     for _ in range(depth)] if self.cuda else []
+        self.events = [torch.cuda.Event() for _ in range(depth)] if self.cuda else []
+        self.i = 0
+
+    def push(self, sampled: torch.Tensor) -> TokenFuture:
+        if not self.cuda:
+            return TokenFuture(sampled, None, None)
+        i, self.i = self.i, (self.i + 1) % len(self.host)
+        # the slot's previous copy (depth steps ago) must have landed before it is reused;
+        # a loop that reads tokens a step late never waits here
+        self.events[i].synchronize()
+        host = self.host[i][: sampled.shape[0]]
+        host.copy_(sampled, non_blocking=True)
+        self.events[i].record()
+        return TokenFuture(sampled, host, self.events[i])
 
 def _vocab_size_of(forward: Any) -> int | None:
     for holder in (forward, getattr(forward, "model", None)):
@@ -111,6 +170,10 @@ class GraphRunner:
     vocab_size : int, optional
         Prompt token ids are checked against it at admission (default: the
         model's ``cfg.vocab_size`` or ``config.vocab_size`` when it has one).
+    sampling : bool
+        Sample on the device with each request's SamplingParams (temperature,
+        top-k, top-p, seed) read from per-slot buffers, and return logprobs.
+        False: greedy only (no sort of the vocabulary in the graph).
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
@@ -119,7 +182,7 @@ class GraphRunner:
                  builder: AttentionBuilder | None = None, on_missing: str = "eager",
                  profiler: StageProfiler | None = None,
                  dispatcher: GraphDispatcher | None = None, compile: bool = False,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, sampling: bool = False) -> None:
         bad = set(static_input_names) - set(STATIC_INPUTS)
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
@@ -146,6 +209,8 @@ class GraphRunner:
         self._plans: dict[GraphKey, BatchPlan] = {}
         self._step_lock = threading.Lock()
         self._device_advanced = False
+        self.sampler = SamplingTable(state.max_num_reqs, state.device) if sampling else None
+        self._outputs = _OutputRing(state.max_num_reqs, state.device)
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=state.device)
@@ -154,7 +219,8 @@ class GraphRunner:
     # -- requests ---------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
                     block_ids: Sequence[int] | np.ndarray | None = None,
-                    num_computed_tokens: int = 0) -> int:
+                    num_computed_tokens: int = 0,
+                    sampling: SamplingParams | None = None) -> int:
         """Admit a request and return its slot (validated whole before anything changes).
 
         Parameters
@@ -167,8 +233,16 @@ class GraphRunner:
         num_computed_tokens : int
             Prompt tokens already in the KV cache (prefix-cache hit, resume after
             preemption); the step schedules the rest.
+        sampling : SamplingParams, optional
+            Default greedy; anything else needs a runner built with sampling=True.
         """
         st = self.state
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if self.sampler is None and sampling != SamplingParams():
+            raise ValueError(f"request {req_id!r} asks for {sampling}, but this runner samples "
+                             "greedily: build it with GraphRunner(..., sampling=True)")
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or (ids.size and (ids.dtype == bool
                                            or not np.issubdtype(ids.dtype, np.integer))):
@@ -186,6 +260,8 @@ class GraphRunner:
         self.token_ids[slot].zero_()  # nothing of the slot's previous occupant survives
         self.token_ids[slot, : ids.shape[0]] = to_device(ids.astype(np.int64), st.device)
         self.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
+        if self.sampler is not None:
+            self.sampler.set(slot, sampling)
         return slot
 
     def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
@@ -203,7 +279,7 @@ class GraphRunner:
 
     # -- the step on the device ------------------------------------------
     def _device_step(self, packed: torch.Tensor, plan: BatchPlan,
-                     key: GraphKey | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     key: GraphKey | None) -> tuple[torch.Tensor, ...]:
         """Everything a step does on the device, from its packed buffer (capturable).
 
         Device half of prepare, metadata build (a key fixes the plan), forward,
@@ -214,7 +290,8 @@ class GraphRunner:
 
         Returns
         -------
-        logits : [num_reqs_padded, vocab]; sampled : int64 [num_reqs_padded]
+        logits : [num_reqs_padded, vocab]; sampled : int64 [num_reqs_padded];
+        logprobs : float32 [num_reqs_padded] (with sampling=True)
         """
         st = self.state
         batch = assemble_batch(st, plan, packed)
@@ -228,14 +305,17 @@ class GraphRunner:
         last = (batch.query_start_loc[1:] - 1).clamp(min=0)
         forward = self.forward if self.compiler is None or key is None else self.compiler
         logits = forward(inputs, meta)[last]
-        sampled = logits.argmax(-1)
         seq = batch.seq_lens.long()
+        if self.sampler is None:
+            sampled, logprobs = logits.argmax(-1), None
+        else:
+            sampled, logprobs = self.sampler.sample(logits, batch.req_slots, seq)
         done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
         self.token_ids[batch.req_slots, col] = sampled
         st.advance_device(batch.req_slots, batch.num_scheduled)
         self._device_advanced = True
-        return logits, sampled
+        return (logits, sampled) if logprobs is None else (logits, sampled, logprobs)
 
     def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
         packed = inputs["packed"].to(self.state.device, non_blocking=True)  # static: no-op
@@ -321,12 +401,10 @@ class GraphRunner:
         try:
             with prof.range("replay" if replayed else "eager", key):
                 if key is None:
-                    logits, sampled = self._device_step(to_device(plan.packed, st.device), plan,
-                                                        None)
-                    logits, sampled = logits[: sched.num_reqs], sampled[: sched.num_reqs]
+                    outs = self._device_step(to_device(plan.packed, st.device), plan, None)
+                    outs = tuple(o[: sched.num_reqs] for o in outs)
                 else:
-                    logits, sampled = self.graphs.replay(key, {"packed": plan.packed},
-                                                         sched.num_reqs)
+                    outs = self.graphs.replay(key, {"packed": plan.packed}, sched.num_reqs)
                     self._device_advanced = True
         except BaseException:
             if not self._device_advanced:
@@ -334,7 +412,9 @@ class GraphRunner:
                 st.num_steps -= 1
             raise
         with prof.range("postprocess"):
+            host = self._outputs.push(outs[1])
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)
-        return StepOutput(logits, sampled, key, replayed, time.perf_counter() - t0)
+        return StepOutput(outs[0], outs[1], key, replayed, time.perf_counter() - t0, host,
+                          outs[2] if len(outs) > 2 else None)

@@ -63,6 +63,9 @@ def _sync_reason(func: object, args: tuple, kwargs: dict) -> str | None:
         if name == "copy_":
             dst, src = args[0], args[1]
             if _is_device(src) and isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
+                non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+                if non_blocking and dst.is_pinned():
+                    return None  # an async copy into pinned memory: no host read until waited on
                 return "aten.copy_ device->cpu"
             return None
         src = args[0]

@@ -1,0 +1,127 @@
+"""On-device sampling with per-request parameters held in static per-slot buffers.
+
+One captured graph serves any mix of greedy and sampled requests: the parameters are read
+from device buffers indexed by slot, never from Python. A seeded request draws its noise
+from a counter-based hash of (seed, position, token id) instead of a generator, so it samples
+the same tokens on replay and eager, on any device, whatever else ran in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphattn.checks import as_index
+
+__all__ = ["SamplingParams", "SamplingTable", "hash_uniform"]
+
+_M1, _M2, _M3 = -7046029254386353131, -4658895280553007687, 7640891576956012809
+_MASK53 = (1 << 53) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens.
+
+    Parameters
+    ----------
+    temperature : float
+        0: greedy (argmax); > 0: sample from softmax(logits / temperature).
+    top_k : int
+        Keep the k most likely tokens (0: all).
+    top_p : float
+        Keep the smallest prefix of the sorted distribution whose mass reaches top_p (1: all).
+    seed : int, optional
+        Reproducible draws (same tokens on replay and eager); None: the device generator.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, int | float) and 0.0 <= self.temperature < 1e4):
+            raise ValueError(f"temperature = {self.temperature!r}, expected a float in [0, 1e4)")
+        as_index("top_k", self.top_k, 0)
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p = {self.top_p!r}, expected a float in (0, 1]")
+        if self.seed is not None:
+            as_index("seed", self.seed, 0, (1 << 63) - 1)
+
+
+def hash_uniform(seed: torch.Tensor, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) from a hash of int64 (seed, position, token) (broadcast).
+
+    Wrapping int64 arithmetic and masked shifts only: the same numbers on CPU and CUDA,
+    inside or outside a CUDA graph.
+    """
+    x = seed * _M1 + position * _M2 + token * _M3
+    for shift, mult in ((31, _M1), (29, _M2), (32, _M3)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    u = ((x >> 11) & _MASK53).double() * (1.0 / (1 << 53))
+    return u.clamp(1e-12, 1 - 1e-12).float()
+
+
+class SamplingTable:
+    """Per-slot sampling parameters on the device, and the sampler that reads them.
+
+    Parameters
+    ----------
+    max_num_reqs : int
+    device : torch.device or str
+    """
+
+    def __init__(self, max_num_reqs: int, device: torch.device | str) -> None:
+        self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.seeded = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)
+
+    def set(self, slot: int, params: SamplingParams) -> None:
+        """Write a request's parameters into its slot (at admission; fills, no host read)."""
+        s = slice(slot, slot + 1)
+        self.temperature[s].fill_(float(params.temperature))
+        self.top_k[s].fill_(int(params.top_k))
+        self.top_p[s].fill_(float(params.top_p))
+        self.seed[s].fill_(0 if params.seed is None else int(params.seed))
+        self.seeded[s].fill_(params.seed is not None)
+
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their log-probabilities (capturable; fixed shapes).
+
+        Parameters
+        ----------
+        logits : [n, vocab]
+        slots : int64 [n]
+            State slot of each row (padded rows: any slot; their tokens are unused).
+        positions : int64 [n]
+            Position the sampled token will take (the seeded hash's counter).
+
+        Returns
+        -------
+        tokens : int64 [n]
+        logprobs : float32 [n]
+            log p(token) under the model's distribution (before temperature).
+        """
+        x = logits.float()
+        t = self.temperature[slots]
+        greedy = t <= 0
+        scaled = x / torch.where(greedy, torch.ones_like(t), t)[:, None]
+        vals, idx = scaled.sort(-1, descending=True)
+        rank = torch.arange(x.shape[-1], device=x.device)
+        k = self.top_k[slots]
+        keep = (k[:, None] <= 0) | (rank[None] < k[:, None])
+        probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
+        keep &= (probs.cumsum(-1) - probs) < self.top_p[slots][:, None]
+        u = torch.where(self.seeded[slots][:, None],
+                        hash_uniform(self.seed[slots][:, None], positions[:, None], idx),
+                        torch.rand_like(vals))
+        noisy = vals.masked_fill(~keep, float("-inf")) - torch.log(-torch.log(u))
+        drawn = idx.gather(1, noisy.argmax(-1, keepdim=True)).squeeze(1)
+        tokens = torch.where(greedy, x.argmax(-1), drawn)
+        logprobs = torch.log_softmax(x, -1).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logprobs
