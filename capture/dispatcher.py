@@ -66,6 +66,20 @@ class GraphDispatcher:
         uniform = shape.uniform_decode and shape.num_tokens == shape.num_reqs * q
         return self.dispatch(shape.num_reqs, shape.num_tokens, shape.max_seq_len, uniform)
 
+    @staticmethod
+    def check_fits(key: GraphKey, shape: BatchShape) -> None:
+        """Raise ValueError unless a batch of `shape` can run padded to `key`."""
+        problems = []
+        if shape.num_reqs > key.num_reqs_padded or shape.num_tokens > key.num_tokens_padded:
+            problems.append(f"{shape.num_reqs} requests / {shape.num_tokens} tokens exceed it")
+        if shape.max_seq_len > key.max_len_bucket:
+            problems.append(f"max length {shape.max_seq_len} exceeds its bucket")
+        if key.uniform_decode and shape.num_reqs and not (
+                shape.uniform_decode and shape.num_tokens == shape.num_reqs * key.query_len):
+            problems.append(f"the batch is not a uniform decode of {key.query_len} tokens per row")
+        if problems:
+            raise ValueError(f"batch does not fit the key {key}: {'; '.join(problems)}")
+
     def all_keys(self) -> list[GraphKey]:
         """Every key to capture, largest first."""
         keys: list[GraphKey] = []

@@ -19,6 +19,7 @@ import torch
 from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
 from graphattn.batch import BatchPlan, assemble_batch, plan_batch
 from graphattn.buckets import BucketPolicy, PaddingStats
+from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.dispatcher import GraphDispatcher
 from graphattn.capture.graphs import CaptureReport, CUDAGraphManager, GraphNotCapturedError
 from graphattn.capture.profiling import StageProfiler
@@ -355,7 +356,8 @@ class GraphRunner:
 
     # -- steps ------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, sched: SchedulerOutput, force_eager: bool = False) -> StepOutput:
+    def step(self, sched: SchedulerOutput, force_eager: bool = False,
+             key: GraphKey | None = None, group: Any = None) -> StepOutput:
         """Run one scheduled step and advance the state (no host read of device state).
 
         On a graph step the host plans on CPU, copies one packed buffer into
@@ -364,6 +366,12 @@ class GraphRunner:
         padded shapes (`on_missing`); with on_missing="error" a batch that fits
         no key raises too. `force_eager` runs unpadded with no key (the
         benchmarks' eager baseline).
+
+        Data parallel: `key` runs the step padded to that key (agreed by the
+        ranks; an empty schedule makes it a dummy run); `group` (a gloo process
+        group) makes the runner agree on the key itself with
+        `dispatch_across_ranks`, so every rank replays the same graph and the
+        collectives inside match.
 
         The step takes effect whole or not at all: the schedule is validated
         before anything changes, and the CPU mirror advances with the device
@@ -374,16 +382,23 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.step() is already running in another thread; a "
                                "runner and its state are driven by one thread")
         try:
-            return self._step(sched, force_eager)
+            return self._step(sched, force_eager, key, group)
         finally:
             self._step_lock.release()
 
-    def _step(self, sched: SchedulerOutput, force_eager: bool) -> StepOutput:
+    def _step(self, sched: SchedulerOutput, force_eager: bool, given: GraphKey | None,
+              group: Any) -> StepOutput:
         t0 = time.perf_counter()
         st, prof = self.state, self.profiler
         with prof.range("dispatch"):
             shape = st.batch_shape(sched, self.dispatcher.decode_query_len)
-            key = None if force_eager else self.dispatcher.dispatch_shape(shape)
+            if given is not None:
+                self.dispatcher.check_fits(given, shape)
+                key = given
+            elif group is not None:
+                key, _ = dispatch_across_ranks(self.dispatcher, shape, group)
+            else:
+                key = None if force_eager else self.dispatcher.dispatch_shape(shape)
             if key is None and not force_eager and self.graphs.on_missing == "error":
                 raise GraphNotCapturedError(
                     f"no graph key fits the batch (reqs {shape.num_reqs}, tokens "
