@@ -23,10 +23,12 @@ from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.dispatcher import GraphDispatcher
 from graphattn.capture.graphs import CaptureReport, CUDAGraphManager, GraphNotCapturedError
 from graphattn.capture.profiling import StageProfiler
+from graphattn.checks import INT32_MAX, as_int32_array
 from graphattn.compile import BucketCompiler
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
 from graphattn.sampling import SamplingParams, SamplingTable
+from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import to_device
 
@@ -56,6 +58,12 @@ class StepOutput:
     logprobs : torch.Tensor or None
         float32 [num_reqs] log-probabilities of `sampled` (runners built with
         ``sampling=True``).
+    num_rejected : torch.Tensor or None
+        int32 [num_reqs] drafts the verification rejected (steps with drafts).
+    feedback : RejectionFeedback or None
+        Slots, drafts, generations and step id of a step with drafts, waiting
+        for its rejected counts: `GraphRunner.apply_feedback(out)` fills them
+        from the device (blocking on this step only) and corrects the mirror.
     key : GraphKey or None
         The key whose padded shapes the step ran at; None when it ran eager at
         its own shapes (no key fits, or force_eager).
@@ -73,6 +81,9 @@ class StepOutput:
     host_seconds: float
     sampled_host: TokenFuture | None = None
     logprobs: torch.Tensor | None = None
+    num_rejected: torch.Tensor | None = None
+    rejected_host: TokenFuture | None = None
+    feedback: RejectionFeedback | None = None
 
 
 class TokenFuture:
@@ -212,6 +223,7 @@ class GraphRunner:
         self._device_advanced = False
         self.sampler = SamplingTable(state.max_num_reqs, state.device) if sampling else None
         self._outputs = _OutputRing(state.max_num_reqs, state.device)
+        self._rejections = _OutputRing(state.max_num_reqs, state.device)
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=state.device)
@@ -284,39 +296,79 @@ class GraphRunner:
         """Everything a step does on the device, from its packed buffer (capturable).
 
         Device half of prepare, metadata build (a key fixes the plan), forward,
-        greedy sampling, token write-back and the device truth's advance. Only
-        `plan`'s padded sizes shape the recorded work, so one capture serves
-        every live batch of its key; padded rows write into the spare column
-        and advance by 0.
+        sampling, speculative verification, token write-back and the device
+        truth's advance. Only `plan`'s padded sizes shape the recorded work, so
+        one capture serves every live batch of its key; padded rows write into
+        the spare column and advance by 0.
+
+        Verification (keys whose rows may carry drafts): the target's token at
+        every query position is sampled; a row accepts its drafts up to the
+        first one that differs from the target's token there (for greedy rows
+        the greedy match; for sampled rows sample-and-match, which is exact
+        rejection sampling for a draft given as a token), its output is the
+        target's token after the accepted drafts, and its truth advances by
+        1 + accepted.
 
         Returns
         -------
-        logits : [num_reqs_padded, vocab]; sampled : int64 [num_reqs_padded];
-        logprobs : float32 [num_reqs_padded] (with sampling=True)
+        logits : [num_reqs_padded, vocab] at each row's output position;
+        sampled : int64 [num_reqs_padded]; logprobs : float32 [num_reqs_padded]
+        (0 without sampling=True); rejected : int32 [num_reqs_padded]
         """
         st = self.state
         batch = assemble_batch(st, plan, packed)
         with self.profiler.range("build", key):
             meta = self.builder.build(build_common_metadata(batch), key)
+        spec = self.dispatcher.decode_query_len > 1 and (
+            key is None or not key.uniform_decode or key.query_len > 1)
+        ids = self.token_ids[batch.token_slots, batch.positions]
+        if spec:
+            drafts = batch.draft_ids.long()
+            is_draft = drafts >= 0
+            ids = torch.where(is_draft, drafts, ids)
+            col = torch.where(is_draft, batch.positions, st.max_model_len)
+            self.token_ids[batch.token_slots, col] = ids  # non-draft tokens: the spare column
         inputs = {}
         if "input_ids" in self.static_input_names:
-            inputs["input_ids"] = self.token_ids[batch.token_slots, batch.positions]
+            inputs["input_ids"] = ids
         if "positions" in self.static_input_names:
             inputs["positions"] = batch.positions
-        last = (batch.query_start_loc[1:] - 1).clamp(min=0)
         forward = self.forward if self.compiler is None or key is None else self.compiler
-        logits = forward(inputs, meta)[last]
+        logits_all = forward(inputs, meta)
         seq = batch.seq_lens.long()
-        if self.sampler is None:
-            sampled, logprobs = logits.argmax(-1), None
+        qsl = batch.query_start_loc.long()
+        if not spec:
+            out_idx = (qsl[1:] - 1).clamp(min=0)
+            logits = logits_all[out_idx]
+            sampled, logprobs = self._sample(logits, batch.req_slots, seq)
+            rejected = torch.zeros_like(batch.num_scheduled)
         else:
-            sampled, logprobs = self.sampler.sample(logits, batch.req_slots, seq)
+            t = ids.shape[0]
+            target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
+            nxt = torch.cat([ids[1:], ids.new_full((1,), -1)])
+            rows = batch.req_indices
+            offset = torch.arange(t, device=ids.device) - qsl[rows]
+            bad = (offset < batch.num_drafts.long()[rows]) & (target != nxt)
+            first_bad = torch.full_like(seq, t).scatter_reduce(
+                0, rows, torch.where(bad, offset, t), "amin")
+            accepted = torch.minimum(first_bad, batch.num_drafts.long())
+            rejected = (batch.num_drafts.long() - accepted).to(torch.int32)
+            # a row's output follows its accepted drafts: its last token minus the rejected
+            out_idx = (qsl[1:] - 1 - rejected).clamp(min=0)
+            logits, sampled, logprobs = logits_all[out_idx], target[out_idx], lp_all[out_idx]
+            seq = seq - rejected
         done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
         self.token_ids[batch.req_slots, col] = sampled
-        st.advance_device(batch.req_slots, batch.num_scheduled)
+        st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
         self._device_advanced = True
-        return (logits, sampled) if logprobs is None else (logits, sampled, logprobs)
+        return logits, sampled, logprobs, rejected
+
+    def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sampler is None:
+            return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
+        return self.sampler.sample(logits, slots, positions)
 
     def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
         packed = inputs["packed"].to(self.state.device, non_blocking=True)  # static: no-op
@@ -357,7 +409,8 @@ class GraphRunner:
     # -- steps ------------------------------------------------------------
     @torch.inference_mode()
     def step(self, sched: SchedulerOutput, force_eager: bool = False,
-             key: GraphKey | None = None, group: Any = None) -> StepOutput:
+             key: GraphKey | None = None, group: Any = None,
+             draft_token_ids: np.ndarray | Sequence[int] | None = None) -> StepOutput:
         """Run one scheduled step and advance the state (no host read of device state).
 
         On a graph step the host plans on CPU, copies one packed buffer into
@@ -373,6 +426,12 @@ class GraphRunner:
         `dispatch_across_ranks`, so every rank replays the same graph and the
         collectives inside match.
 
+        Speculative decoding: rows with ``sched.num_draft_tokens`` > 0 run their
+        last token plus the drafts in `draft_token_ids` (all rows' drafts,
+        flattened in batch order); the target verifies them inside the step and
+        the device truth advances by the accepted count. The CPU mirror stays an
+        upper bound until `apply_feedback(out)` (any step later).
+
         The step takes effect whole or not at all: the schedule is validated
         before anything changes, and the CPU mirror advances with the device
         work (rolled back if that work was never enqueued). One thread at a
@@ -382,16 +441,17 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.step() is already running in another thread; a "
                                "runner and its state are driven by one thread")
         try:
-            return self._step(sched, force_eager, key, group)
+            return self._step(sched, force_eager, key, group, draft_token_ids)
         finally:
             self._step_lock.release()
 
     def _step(self, sched: SchedulerOutput, force_eager: bool, given: GraphKey | None,
-              group: Any) -> StepOutput:
+              group: Any, draft_token_ids: Any) -> StepOutput:
         t0 = time.perf_counter()
         st, prof = self.state, self.profiler
         with prof.range("dispatch"):
             shape = st.batch_shape(sched, self.dispatcher.decode_query_len)
+            drafts = self._check_drafts(sched, draft_token_ids)
             if given is not None:
                 self.dispatcher.check_fits(given, shape)
                 key = given
@@ -407,7 +467,7 @@ class GraphRunner:
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
-            plan = plan_batch(st, sched, *pads, shape=shape)
+            plan = plan_batch(st, sched, *pads, shape=shape, draft_token_ids=drafts)
         # the mirror advances with the device work: rolled back below if that work never ran
         rows = sched.req_slots
         saved = st.num_computed_tokens_np[rows].copy(), st.num_pending_drafts_np[rows].copy()
@@ -428,8 +488,52 @@ class GraphRunner:
             raise
         with prof.range("postprocess"):
             host = self._outputs.push(outs[1])
+            feedback = rejected = None
+            if sched.num_draft_tokens is not None:
+                rejected = self._rejections.push(outs[3])
+                feedback = RejectionFeedback(sched.req_slots, sched.num_draft_tokens,
+                                             np.zeros(sched.num_reqs, np.int32),
+                                             st.generation_np[sched.req_slots], st.num_steps - 1)
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)
         return StepOutput(outs[0], outs[1], key, replayed, time.perf_counter() - t0, host,
-                          outs[2] if len(outs) > 2 else None)
+                          outs[2] if self.sampler is not None else None,
+                          outs[3] if feedback is not None else None, rejected, feedback)
+
+    def _check_drafts(self, sched: SchedulerOutput, draft_token_ids: Any) -> np.ndarray | None:
+        """Validate a step's drafts on the CPU (before anything changes)."""
+        if sched.num_draft_tokens is None or not sched.num_draft_tokens.any():
+            if draft_token_ids is not None and len(draft_token_ids):
+                raise ValueError("draft_token_ids given but the schedule has no num_draft_tokens")
+            return None
+        if self.dispatcher.decode_query_len < 2:
+            raise ValueError("drafts need a runner whose policy has decode_query_len > 1")
+        if draft_token_ids is None:
+            raise ValueError("sched.num_draft_tokens > 0 needs draft_token_ids")
+        most = self.dispatcher.decode_query_len - 1
+        if sched.num_draft_tokens.max() > most:
+            raise ValueError(f"num_draft_tokens up to {sched.num_draft_tokens.max()}, expected "
+                             f"<= decode_query_len - 1 = {most}")
+        st = self.state
+        with_drafts = sched.num_draft_tokens > 0
+        pre = st.num_computed_tokens_np[sched.req_slots] < st.num_prompt_tokens_np[sched.req_slots]
+        if (with_drafts & pre).any():
+            raise ValueError(f"slots {sched.req_slots[with_drafts & pre].tolist()} have drafts "
+                             "before their prompt is computed")
+        hi = self.vocab_size - 1 if self.vocab_size else INT32_MAX
+        return as_int32_array("draft_token_ids", draft_token_ids, 0, hi)
+
+    def apply_feedback(self, out: StepOutput) -> FeedbackResult:
+        """Correct the CPU mirror with a step's rejected drafts (late is fine).
+
+        Waits for that step's rejected counts (its event only), then applies them
+        row by row: rows whose request finished or was preempted since are
+        refused as stale, a second application as duplicate.
+        """
+        if out.feedback is None or out.rejected_host is None:
+            raise ValueError("this step had no drafts: nothing to apply")
+        rejected = out.rejected_host.wait().astype(np.int32)
+        fb = out.feedback
+        return apply_rejections(self.state, RejectionFeedback(
+            fb.req_slots, fb.num_draft_tokens, rejected, fb.generations, fb.step))

@@ -22,9 +22,10 @@ __all__ = ["BatchPlan", "InputBatch", "assemble_batch", "plan_batch", "prepare_i
 
 
 def _packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
-    """Segment lengths of the packed buffer: slots | scheduled | qsl | bound | req idx | offsets."""
+    """Segment lengths of the packed buffer:
+    slots | scheduled | qsl | bound | drafts | req idx | offsets | draft ids."""
     r, t = num_reqs_padded, num_tokens_padded
-    return [r, r, r + 1, r, t, t]
+    return [r, r, r + 1, r, r, t, t, t]
 
 
 @dataclass(slots=True)
@@ -49,8 +50,12 @@ class BatchPlan:
         int32 [num_reqs_padded + 1].
     seq_lens_cpu_upper_bound_np : np.ndarray
         int32 [num_reqs_padded], num_computed_tokens_cpu + num_scheduled_tokens.
+    num_draft_tokens_np : np.ndarray
+        int32 [num_reqs_padded]: speculative tokens of each row (0 without).
     req_indices_np, token_offsets_np : np.ndarray
         int32 [num_tokens_padded]: row of each token and its offset in the row's query.
+    draft_ids_np : np.ndarray
+        int32 [num_tokens_padded]: the draft token id at each draft token, -1 elsewhere.
     query_start_loc_cpu, seq_lens_cpu_upper_bound : torch.Tensor
         int32 CPU views of the arrays above.
     """
@@ -65,8 +70,10 @@ class BatchPlan:
     num_scheduled_tokens_np: np.ndarray = field(init=False)
     query_start_loc_np: np.ndarray = field(init=False)
     seq_lens_cpu_upper_bound_np: np.ndarray = field(init=False)
+    num_draft_tokens_np: np.ndarray = field(init=False)
     req_indices_np: np.ndarray = field(init=False)
     token_offsets_np: np.ndarray = field(init=False)
+    draft_ids_np: np.ndarray = field(init=False)
     query_start_loc_cpu: torch.Tensor = field(init=False)
     seq_lens_cpu_upper_bound: torch.Tensor = field(init=False)
 
@@ -92,7 +99,8 @@ class BatchPlan:
             views.append(flat[at : at + n])
             at += n
         (self.req_slots_np, self.num_scheduled_tokens_np, self.query_start_loc_np,
-         self.seq_lens_cpu_upper_bound_np, self.req_indices_np, self.token_offsets_np) = views
+         self.seq_lens_cpu_upper_bound_np, self.num_draft_tokens_np, self.req_indices_np,
+         self.token_offsets_np, self.draft_ids_np) = views
         self.query_start_loc_cpu = torch.from_numpy(self.query_start_loc_np)
         self.seq_lens_cpu_upper_bound = torch.from_numpy(self.seq_lens_cpu_upper_bound_np)
 
@@ -130,6 +138,10 @@ class InputBatch(BatchPlan):
         int64 [num_reqs_padded] on device (0 in padded rows).
     num_scheduled : torch.Tensor
         int32 [num_reqs_padded] on device (0 in padded rows).
+    num_drafts : torch.Tensor
+        int32 [num_reqs_padded] on device: speculative tokens per row.
+    draft_ids : torch.Tensor
+        int32 [num_tokens_padded] on device: draft token ids, -1 elsewhere.
     """
 
     query_start_loc: torch.Tensor
@@ -141,6 +153,8 @@ class InputBatch(BatchPlan):
     token_slots: torch.Tensor
     req_slots: torch.Tensor
     num_scheduled: torch.Tensor
+    num_drafts: torch.Tensor
+    draft_ids: torch.Tensor
 
 
 def plan_batch(
@@ -149,6 +163,7 @@ def plan_batch(
     num_reqs_padded: int | None = None,
     num_tokens_padded: int | None = None,
     shape: BatchShape | None = None,
+    draft_token_ids: np.ndarray | None = None,
 ) -> BatchPlan:
     """CPU half of `prepare_inputs`: validate, pad and pack (numpy, no device work).
 
@@ -163,6 +178,9 @@ def plan_batch(
     shape : BatchShape, optional
         ``state.batch_shape(sched)`` when the caller has it already (it holds the
         bound); computed (and the schedule validated) otherwise.
+    draft_token_ids : np.ndarray, optional
+        int [sum(sched.num_draft_tokens)]: the drafts of every row, rows in batch
+        order; row r's drafts are its query tokens 1 .. num_draft_tokens[r].
 
     Raises
     ------
@@ -191,6 +209,21 @@ def plan_batch(
     req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
     np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],
                 out=plan.token_offsets_np[:num_tokens])
+    plan.draft_ids_np[:] = -1
+    drafts = sched.num_draft_tokens
+    if drafts is not None:
+        plan.num_draft_tokens_np[:num_reqs] = drafts
+        want = int(drafts.sum())
+        got = 0 if draft_token_ids is None else int(np.asarray(draft_token_ids).shape[0])
+        if draft_token_ids is not None and got != want:
+            raise ValueError(f"draft_token_ids has {got} entries, expected sum(num_draft_tokens)"
+                             f" = {want}")
+        if draft_token_ids is not None and want:
+            off = plan.token_offsets_np[:num_tokens]
+            is_draft = (off >= 1) & (off <= drafts[req_idx])
+            plan.draft_ids_np[:num_tokens][is_draft] = draft_token_ids
+    elif draft_token_ids is not None and len(draft_token_ids):
+        raise ValueError("draft_token_ids given but sched.num_draft_tokens is None")
     return plan
 
 
@@ -215,7 +248,7 @@ def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor) -
         those sizes (this plan's, or a live one's in a captured graph).
     """
     reqs_p, toks_p = plan.num_reqs_padded, plan.num_tokens_padded
-    d_slots, d_sched, d_qsl, _, d_req_idx, d_offsets = torch.split(
+    d_slots, d_sched, d_qsl, _, d_drafts, d_req_idx, d_offsets, d_draft_ids = torch.split(
         packed, _packed_sizes(reqs_p, toks_p))
     d_slots = d_slots.long()
     d_req_idx = d_req_idx.long()
@@ -239,7 +272,7 @@ def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor) -
                       plan.seq_lens_exact, query_start_loc=d_qsl, seq_lens=seq_lens,
                       positions=positions, slot_mapping=slot_mapping, block_table=block_table,
                       req_indices=d_req_idx, token_slots=token_slots, req_slots=d_slots,
-                      num_scheduled=d_sched)
+                      num_scheduled=d_sched, num_drafts=d_drafts, draft_ids=d_draft_ids)
 
 
 def prepare_inputs(

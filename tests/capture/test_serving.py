@@ -62,3 +62,80 @@ def test_greedy_runner_refuses_sampling_params():
     slot = runner.add_request("a", [1, 2])
     out = runner.step(SchedulerOutput(np.array([slot]), np.array([2])))
     assert out.logprobs is None and out.sampled_host.wait().tolist() == out.sampled.tolist()
+
+
+def spec_runner(q):
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).double()
+    st = RequestState(2, 96, 8)
+    model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+    runner = GraphRunner(model, st, policy=BucketPolicy(
+        capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
+        decode_query_len=q))
+    runner.capture(progress=False)
+    return st, runner
+
+
+def plain_greedy(prompt, n):
+    st, runner = spec_runner(1)
+    a = runner.add_request("a", prompt)
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
+    seq = [int(out.sampled[0])]
+    while len(seq) < n:
+        out = runner.step(SchedulerOutput(np.array([a]), np.array([1])))
+        seq.append(int(out.sampled[0]))
+    return seq
+
+
+@pytest.mark.parametrize("drafts_from", ["target", "noise"])
+def test_spec_decode_through_the_runner_matches_plain_decoding(drafts_from):
+    prompt, k, n = [5, 3, 9, 1, 7], 3, 24
+    want = plain_greedy(prompt, n + k + 1)
+    st, runner = spec_runner(k + 1)
+    a = runner.add_request("a", prompt)
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
+    got = [int(out.sampled[0])]
+    rng = np.random.default_rng(0)
+    pending, accepted_total = [], 0
+    while len(got) < n:
+        drafts = (want[len(got): len(got) + k] if drafts_from == "target"
+                  else rng.integers(0, 64, k).tolist())
+        sched = SchedulerOutput(np.array([a]), np.array([k + 1]), np.array([k]))
+        with no_host_sync():
+            out = runner.step(sched, draft_token_ids=drafts)
+        assert out.replayed and out.key.query_len == k + 1
+        rejected = int(out.rejected_host.wait()[0])
+        accepted_total += k - rejected
+        got += drafts[: k - rejected] + [int(out.sampled_host.wait()[0])]
+        pending.append(out)
+        if len(pending) > 1:  # feedback one step late
+            assert runner.apply_feedback(pending.pop(0)).applied.all()
+        assert st.num_computed_tokens_np[a] >= int(st.num_computed_tokens[a])  # an upper bound
+    assert got[:n] == want[:n]
+    runner.apply_feedback(pending.pop())
+    assert st.num_computed_tokens_np[a] == int(st.num_computed_tokens[a])  # exact again
+    steps = (n - 1 + k) // (k + 1)
+    if drafts_from == "target":
+        assert accepted_total == k * steps  # every draft accepted
+    else:
+        assert accepted_total < k * steps
+
+
+def test_drafts_validated_and_stale_feedback_refused():
+    st, runner = spec_runner(3)
+    a = runner.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="drafts before their prompt is computed"):
+        runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])), draft_token_ids=[4, 5])
+    runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    with pytest.raises(ValueError, match=r"draft_token_ids\[1\] = 64, expected in \[0, 63\]"):
+        runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])),
+                    draft_token_ids=[4, 64])
+    with pytest.raises(ValueError, match="needs draft_token_ids"):
+        runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])))
+    assert st.num_computed_tokens_np[a] == 3 == int(st.num_computed_tokens[a])
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])),
+                      draft_token_ids=[4, 5])
+    st.remove_request("a")
+    runner.add_request("b", [9, 9])  # takes the slot before a's feedback arrives
+    result = runner.apply_feedback(out)
+    assert result.stale.tolist() == [True] and st.num_computed_tokens_np[a] == 0
