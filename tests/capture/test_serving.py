@@ -125,7 +125,8 @@ def test_drafts_validated_and_stale_feedback_refused():
     st, runner = spec_runner(3)
     a = runner.add_request("a", [1, 2, 3])
     with pytest.raises(ValueError, match="drafts before their prompt is computed"):
-        runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])), draft_token_ids=[4, 5])
+        runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])),
+                    draft_token_ids=[4, 5])
     runner.step(SchedulerOutput(np.array([a]), np.array([3])))
     with pytest.raises(ValueError, match=r"draft_token_ids\[1\] = 64, expected in \[0, 63\]"):
         runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])),
