@@ -1,10 +1,14 @@
 """Demo serving loop: GraphRunner over the embedded TinyDecoder.
 
-    python -m graphattn.demo [--steps 24] [--device cpu|cuda] [--seed 0]
+    python -m graphattn.demo [--steps 40] [--device cpu|cuda] [--seed 0]
 
-Requests join with random prompts, prompts are chunk-prefilled under a token
-budget, decodes replay the graph of their key (on CPU the same static-buffer
-path runs eagerly), and every step counts host reads of device state: 0.
+Requests arrive with random prompts, greedy or seeded-sampling parameters and a token
+limit; prompts are chunk-prefilled under a token budget; decodes replay the graph of
+their key (on CPU the same static-buffer path runs eagerly). Tokens reach the host one
+step late through `StepOutput.sampled_host` (a non-blocking copy the host waits on only
+when it reads it), so step N+1 is launched before step N's tokens are read; a request
+stops at its EOS token or its limit and its slot is freed. Every step counts host reads
+of device state inside `step()`: 0.
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ import numpy as np
 import torch
 
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
+from graphattn.capture.runner import GraphRunner, SamplingParams, StepOutput
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs
 
+EOS = 0
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-reqs", type=int, default=6)
@@ -38,25 +44,27 @@ def main(argv: list[str] | None = None) -> int:
     model.allocate_caches(args.max_reqs * state.max_num_blocks_per_req, 16)
     policy = BucketPolicy(capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64, 128),
                           mixed_token_sizes=(32, 64))
-    runner = GraphRunner(model, state, policy=policy)
+    runner = GraphRunner(model, state, policy=policy, sampling=True)
     print(f"graphattn demo on {args.device}: TinyDecoder {cfg.num_layers}x{cfg.hidden_size}, "
           f"{len(runner.dispatcher.all_keys())} graph keys")
     runner.capture()
     print(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'bound max':>9}  {'key':<38} "
           f"{'syncs':>5} {'host ms':>8}")
-    prompts: dict[int, int] = {}
-    budget: dict[int, int] = {}
+    limit: dict[str, int] = {}
+    produced: dict[str, list[int]] = {}
+    finished: list[tuple[str, list[int], str]] = []
+    pending: tuple[SchedulerOutput, StepOutput, list[str]] | None = None
     next_id = total_syncs = 0
     t_all = time.perf_counter()
     for step in range(args.steps):
-        while state.num_active < state.max_num_reqs and rng.random() < 0.6:
-            p = rng.integers(0, cfg.vocab_size, int(rng.integers(4, 60)))
-            slot = runner.add_request(f"req{next_id}", p)
-            prompts[slot], budget[slot] = len(p), int(rng.integers(4, 16))
+        while state.num_active < state.max_num_reqs and rng.random() < 0.5:
+            rid = f"req{next_id}"
+            params = SamplingParams() if next_id % 2 else SamplingParams(
+                temperature=0.8, top_k=50, seed=next_id)
+            runner.add_request(rid, rng.integers(1, cfg.vocab_size, int(rng.integers(4, 60))),
+                               sampling=params)
+            limit[rid], produced[rid] = int(rng.integers(4, 16)), []
             next_id += 1
-        for rid, slot in list(state.req_id_to_slot.items()):
-            if state.num_computed_tokens_np[slot] >= prompts[slot] + budget[slot]:
-                state.remove_request(rid)
         slots = np.array(sorted(state.req_id_to_slot.values()), np.int32)
         left = state.num_prompt_tokens_np[slots] - state.num_computed_tokens_np[slots]
         order = np.argsort(left > 0, kind="stable")  # decodes first
@@ -65,21 +73,38 @@ def main(argv: list[str] | None = None) -> int:
         room = np.maximum(args.token_budget - (np.cumsum(want) - want), 0)
         take = np.minimum(want, room)
         sched = SchedulerOutput(slots[take > 0], take[take > 0])
-        if sched.num_reqs == 0:
-            continue
-        bound = state.batch_shape(sched).max_seq_len
-        with count_host_syncs() as syncs:
-            out = runner.step(sched)
-        total_syncs += syncs.count
-        key = str(out.key) if out.key else "eager (no graph fits)"
-        print(f"{step:>4} {sched.num_reqs:>4} {sched.total_num_scheduled_tokens:>6} {bound:>9}  "
-              f"{key:<38} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
+        ids = {s: r for r, s in state.req_id_to_slot.items()}
+        out = None
+        if sched.num_reqs:
+            bound = state.batch_shape(sched).max_seq_len
+            with count_host_syncs() as syncs:
+                out = runner.step(sched)  # launched before the previous step's tokens are read
+            total_syncs += syncs.count
+            key = str(out.key) if out.key else "eager (no graph fits)"
+            print(f"{step:>4} {sched.num_reqs:>4} {sched.total_num_scheduled_tokens:>6} "
+                  f"{bound:>9}  {key:<38} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
+        if pending is not None:  # the previous step's tokens, read one step late
+            prev_sched, prev_out, prev_ids = pending
+            tokens = prev_out.sampled_host.wait()
+            done_prompt = (state.num_computed_tokens_np[prev_sched.req_slots]
+                           >= state.num_prompt_tokens_np[prev_sched.req_slots])
+            for rid, tok, ok in zip(prev_ids, tokens.tolist(), done_prompt.tolist(), strict=True):
+                if not ok or rid not in state.req_id_to_slot or len(produced[rid]) >= limit[rid]:
+                    continue
+                produced[rid].append(tok)
+                if tok == EOS or len(produced[rid]) >= limit[rid]:
+                    state.remove_request(rid)
+                    finished.append((rid, produced[rid], "eos" if tok == EOS else "limit"))
+        pending = (sched, out, [ids[s] for s in sched.req_slots]) if out is not None else None
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_all
     print("host ms: step() wall time, with the sync-counting dispatch mode on (slower).")
-    print(f"{args.steps} steps in {elapsed:.2f}s, {next_id} requests, host syncs: {total_syncs}, "
-          f"padding waste: {100 * runner.padding.token_waste:.1f}% tokens, "
+    for rid, toks, why in finished[:3]:
+        print(f"{rid}: {toks} ({why})")
+    print(f"{args.steps} steps in {elapsed:.2f}s, {next_id} requests, {len(finished)} finished, "
+          f"host syncs in step(): {total_syncs}, padding waste: "
+          f"{100 * runner.padding.token_waste:.1f}% tokens, "
           f"{100 * runner.padding.length_waste:.1f}% length")
     return 0 if total_syncs == 0 else 1
 
