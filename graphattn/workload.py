@@ -1,7 +1,7 @@
 """A synthetic scheduler: requests join and leave, prompts are chunk-prefilled,
 decodes may carry speculative drafts whose rejections reach the CPU late.
 
-It drives tests, the demo and the benchmarks; it also keeps the *true*
+It drives the tests and `bench.soak`; it also keeps the *true*
 computed counts on CPU (`true_computed`) so tests can check the bound.
 """
 

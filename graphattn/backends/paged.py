@@ -97,19 +97,8 @@ class PagedPlan:
 
 @dataclass(slots=True)
 class PagedAttentionMetadata(PagedTensors):
-    """Plan (CPU ints) and device tensors of paged attention.
-
-    Attributes
-    ----------
-    num_decodes, num_decode_tokens, decode_query_len : int
-        The first `num_decodes` rows run the batched decode path, each with
-        `decode_query_len` tokens; the rest run the token-level path.
-    max_len : int
-        Upper bound of every row's length (bound max, or the key's bucket).
-    num_kv_blocks : int
-        Blocks gathered per row, ceil(max_len / block_size).
-    Tensors: see PagedTensors.
-    """
+    """Plan (CPU ints, the fields of `PagedPlan`) and device tensors (see `PagedTensors`)
+    of paged attention."""
 
     num_decodes: int
     num_decode_tokens: int
