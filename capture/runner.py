@@ -90,49 +90,60 @@ class TokenFuture:
     """A step's sampled tokens on their way to the host.
 
     On CUDA a non-blocking copy into a pinned ring slot followed by an event;
-    `wait()` blocks on that event alone (never on later steps). Elsewhere the
-    copy happens in `wait()`.
+    `wait()` blocks on that event alone (never on later steps). The slot is
+    reused `_OutputRing.DEPTH` steps later: read a future before then (a later
+    read raises instead of returning another step's tokens). Elsewhere the copy
+    happens in `wait()`.
     """
 
-    __slots__ = ("_src", "_host", "_event")
+    __slots__ = ("_src", "_ring", "_slot", "_version")
 
-    def __init__(self, src: torch.Tensor, host: torch.Tensor | None,
-                 event: torch.cuda.Event | None) -> None:
-        self._src, self._host, self._event = src, host, event
+    def __init__(self, src: torch.Tensor, ring: _OutputRing | None = None, slot: int = 0,
+                 version: int = 0) -> None:
+        self._src, self._ring, self._slot, self._version = src, ring, slot, version
 
     def ready(self) -> bool:
         """True when `wait()` would not block."""
-        return self._event is None or self._event.query()
+        return self._ring is None or self._ring.events[self._slot].query()
 
     def wait(self) -> np.ndarray:
         """int64 [num_reqs] tokens (blocks until this step's copy has landed)."""
-        if self._event is not None:
-            self._event.synchronize()
-            return self._host.numpy().astype(np.int64, copy=True)
-        return self._src.to("cpu").numpy().astype(np.int64, copy=True)
+        if self._ring is None:
+            return self._src.to("cpu").numpy().astype(np.int64, copy=True)
+        if self._ring.versions[self._slot] != self._version:
+            raise RuntimeError(f"this step's tokens were overwritten: read a TokenFuture within "
+                               f"{_OutputRing.DEPTH} steps")
+        self._ring.events[self._slot].synchronize()
+        n = self._src.shape[0]
+        return self._ring.host[self._slot][:n].numpy().astype(np.int64, copy=True)
 
 
 class _OutputRing:
     """Pinned host slots (CUDA) that a step's tokens are copied into without blocking."""
 
-    def __init__(self, max_num_reqs: int, device: torch.device, depth: int = 4) -> None:
+    DEPTH = 8
+
+    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=self.cuda)
-                     for _ in range(depth)] if self.cuda else []
-        self.events = [torch.cuda.Event() for _ in range(depth)] if self.cuda else []
+        n = self.DEPTH if self.cuda else 0
+        self.host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=True)
+                     for _ in range(n)]
+        self.events = [torch.cuda.Event() for _ in range(n)]
+        self.versions = [0] * n
         self.i = 0
 
-    def push(self, sampled: torch.Tensor) -> TokenFuture:
+    def push(self, values: torch.Tensor) -> TokenFuture:
         if not self.cuda:
-            return TokenFuture(sampled, None, None)
-        i, self.i = self.i, (self.i + 1) % len(self.host)
-        # the slot's previous copy (depth steps ago) must have landed before it is reused;
+            return TokenFuture(values)
+        i, self.i = self.i, (self.i + 1) % self.DEPTH
+        # the slot's previous copy (DEPTH steps ago) must have landed before it is reused;
         # a loop that reads tokens a step late never waits here
         self.events[i].synchronize()
-        host = self.host[i][: sampled.shape[0]]
-        host.copy_(sampled, non_blocking=True)
+        self.versions[i] += 1
+        self.host[i][: values.shape[0]].copy_(values.long(), non_blocking=True)
         self.events[i].record()
-        return TokenFuture(sampled, host, self.events[i])
+        return TokenFuture(values, self, i, self.versions[i])
+
 
 def _vocab_size_of(forward: Any) -> int | None:
     for holder in (forward, getattr(forward, "model", None)):
