@@ -1,18 +1,17 @@
-"""Run a transformers decoder (Llama and alike) on graphattn's paged backend.
+"""Run a transformers causal LM on graphattn's paged backend, through its own forward.
 
-The model's own decoder layers run unchanged; attention goes through a
-function registered in transformers' AttentionInterface, which reads graphattn
-metadata and a paged KV cache instead of HF's cache and mask, with each
-layer's own scaling, sliding window, logit softcap and sinks. The causal mask
-builder of the model is bypassed (it inspects position data on the host), so
-the whole step stays sync-free and capturable.
+The model's own forward runs unchanged (embedding scales, per-layer rope, logit
+scaling, final softcaps are the model's); attention goes through a function
+registered in transformers' AttentionInterface, which reads graphattn metadata
+and a paged KV cache instead of HF's cache, with each layer's own scaling,
+sliding window, logit softcap and sinks. Our attention name has no mask
+function, so transformers builds no mask (which would inspect positions on the
+host): the whole step stays sync-free and capturable.
 
-The top level (embedding, final norm, LM head) is the Llama family's, so only
-families whose top level is exactly that are accepted (`SUPPORTED`); any other
-model, and any model-level feature this wrapper would skip, is refused when
-wrapping, naming the class and the feature. Wrapping leaves the user's model
-usable as before: its attention implementation is switched only while our
-forward runs.
+Families checked against their own generate() are accepted (`SUPPORTED`); any
+other model is refused when wrapping, naming the class and the reason.
+Wrapping leaves the user's model usable as before: its attention
+implementation is switched only while our forward runs.
 """
 
 from __future__ import annotations
@@ -29,18 +28,12 @@ __all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported"]
 
 ATTN_NAME = "graphattn_paged"
 # model_type -> checked against the model's own generate() token for token (tests)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
-# why the others are refused (the top level or a layer does what this wrapper would skip)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text",
+             "granite", "gpt2", "gpt_neox")
+# why the others are refused
 _REASONS = {
-    "gemma": "the embedding is scaled by sqrt(hidden_size) in the model's own forward",
-    "gemma2": "the embedding normalizer and the final logit softcap live in the model's own "
-              "forward",
-    "gemma3": "rotary embeddings differ per layer type (local / global)",
-    "gemma3_text": "rotary embeddings differ per layer type (local / global)",
-    "granite": "embedding_multiplier and logits_scaling live in the model's own forward",
-    "gpt_oss": "mixture-of-experts routing has data-dependent shapes (host reads)",
-    "gpt2": "not the Llama layout (transformer.wte / h / ln_f, learned positions)",
-    "gpt_neox": "not the Llama layout (gpt_neox.embed_in / layers / final_layer_norm)",
+    "gpt_oss": "the experts' default implementation in transformers finds the routed experts "
+               "with nonzero (host reads, data-dependent shapes): not capturable",
     "bart": "encoder-decoder: needs the cross backend with encoder outputs",
     "whisper": "encoder-decoder: needs the cross backend with encoder outputs",
 }
@@ -64,17 +57,6 @@ def check_supported(model: nn.Module) -> None:
             f"{reason or 'not among the families checked against generate()'}; supported: "
             f"{', '.join(SUPPORTED)}"
         )
-    inner = getattr(model, "model", None)
-    missing = [a for a in ("embed_tokens", "rotary_emb", "layers", "norm")
-               if not hasattr(inner, a)] + ([] if hasattr(model, "lm_head") else ["lm_head"])
-    if missing:
-        raise ValueError(f"{name}: the Llama layout needs model.model.{{embed_tokens, rotary_emb, "
-                         f"layers, norm}} and lm_head; missing {missing}")
-    for attr in ("final_logit_softcapping", "logits_scaling", "embedding_multiplier"):
-        v = getattr(cfg, attr, None)
-        if v not in (None, 1, 1.0):
-            raise ValueError(f"{name}: {attr}={v} is applied in the model's own forward, which "
-                             "graphattn.models.hf does not run")
 
 
 def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -146,14 +128,12 @@ class HFCausalLM:
         user_impl = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME  # only while our forward runs
         try:
-            inner = self.model.model
-            pos = inputs["positions"][None]
-            h = inner.embed_tokens(inputs["input_ids"][None])
-            pe = inner.rotary_emb(h, position_ids=pos)
-            for layer in inner.layers[: self.num_layers]:
-                out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
-                            graphattn_runner=self, graphattn_metadata=attn_metadata)
-                h = out[0] if isinstance(out, tuple) else out
-            return self.model.lm_head(inner.norm(h))[0]
+            # the model's own forward: embedding scales, per-layer rope, logit scaling and
+            # softcaps are the model's; no HF cache and no mask (our name has no mask
+            # function, so transformers builds none)
+            out = self.model(input_ids=inputs["input_ids"][None],
+                             position_ids=inputs["positions"][None], use_cache=False,
+                             graphattn_runner=self, graphattn_metadata=attn_metadata)
+            return out.logits[0]
         finally:
             cfg._attn_implementation = user_impl

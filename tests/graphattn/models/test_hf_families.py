@@ -21,6 +21,15 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 12.0,
+                                                         "logits_scaling": 8.0,
+                                                         "residual_multiplier": 0.2,
+                                                         "attention_multiplier": 0.05}),
+    # multi-head families: SMALL's num_key_value_heads would be stored, not used
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"num_key_value_heads": 4}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 4}),
 }
 
 
@@ -68,13 +77,11 @@ def test_family_matches_own_generate(family):
 
 
 REFUSED = {
-    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": 16}, "final logit softcap"),
-    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": 16}, "differ per layer type"),
-    "GraniteForCausalLM": ("GraniteConfig", {"embedding_multiplier": 12.0},
-                           "embedding_multiplier and logits_scaling"),
-    "GPT2LMHeadModel": ("GPT2Config", {}, "not the Llama layout"),
-    "GPTNeoXForCausalLM": ("GPTNeoXConfig", {}, "not the Llama layout"),
-    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {}, "mixture-of-experts"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {}, "routed experts with nonzero"),
+    "GptOssForCausalLM": ("GptOssConfig", {"num_local_experts": 4, "head_dim": 16},
+                          "routed experts with nonzero"),
+    "BartForCausalLM": ("BartConfig", {"d_model": 64, "encoder_attention_heads": 4,
+                                       "decoder_attention_heads": 4}, "encoder-decoder"),
 }
 
 
