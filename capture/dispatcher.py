@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from graphattn.buckets import BucketPolicy, LengthBuckets, pad_to_capture_size, validate_sizes
-from graphattn.keys import BatchShape, CaptureSupport, GraphKey
+from graphattn.keys import BatchShape, CaptureSupport, CUDAGraphMode, GraphKey
 
 __all__ = ["CaptureSupport", "GraphDispatcher", "GraphKey"]
 
@@ -27,6 +27,13 @@ class GraphDispatcher:
         batches run eager.
     capture_support : CaptureSupport
         The attention backend's level, which the dispatcher honours.
+    mode : CUDAGraphMode
+        Which kinds of keys exist; the order is exact full key, relaxed (mixed)
+        full key, piecewise key, eager.
+    piecewise_token_sizes : sequence of int
+        Padded token counts of piecewise keys: ``GraphKey(t, t, max_model_len,
+        False)``, whose plan (no decode path, the longest bucket) does not depend
+        on the batch, so the pieces' shapes depend on t alone.
     """
 
     def __init__(
@@ -36,7 +43,17 @@ class GraphDispatcher:
         decode_query_len: int = 1,
         mixed_token_sizes: Sequence[int] = (),
         capture_support: CaptureSupport = CaptureSupport.ALWAYS,
+        mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
+        piecewise_token_sizes: Sequence[int] = (),
     ) -> None:
+        try:
+            self.mode = CUDAGraphMode(mode)
+        except ValueError:
+            raise ValueError(f"mode = {mode!r}, expected one of "
+                             f"{[m.value for m in CUDAGraphMode]}") from None
+        self.piecewise_token_sizes = (
+            validate_sizes("piecewise_token_sizes", piecewise_token_sizes)
+            if piecewise_token_sizes and self.mode.has_piecewise else ())
         if decode_query_len < 1:
             raise ValueError(f"decode_query_len = {decode_query_len}, expected >= 1")
         self.capture_sizes = validate_sizes("capture_sizes", capture_sizes)
@@ -50,15 +67,34 @@ class GraphDispatcher:
             self.capture_sizes_allowed = False
         else:
             self.capture_sizes_allowed = capture_support > CaptureSupport.NEVER
-        if capture_support < CaptureSupport.ALWAYS:
+        if capture_support < CaptureSupport.ALWAYS or self.mode in (
+                CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
             self.mixed_token_sizes = ()
+        if not self.mode.has_full:
+            self.capture_sizes_allowed = False
 
     @classmethod
     def from_policy(cls, policy: BucketPolicy, max_model_len: int,
-                    capture_support: CaptureSupport = CaptureSupport.ALWAYS) -> GraphDispatcher:
+                    capture_support: CaptureSupport = CaptureSupport.ALWAYS,
+                    mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
+                    ) -> GraphDispatcher:
         """The dispatcher of a BucketPolicy for lengths up to `max_model_len`."""
         return cls(policy.capture_sizes, LengthBuckets(max_model_len, policy.length_boundaries),
-                   policy.decode_query_len, policy.mixed_token_sizes, capture_support)
+                   policy.decode_query_len, policy.mixed_token_sizes, capture_support, mode,
+                   policy.piecewise_token_sizes)
+
+    def is_piecewise(self, key: GraphKey | None) -> bool:
+        """`key` is a piecewise key (its step runs the piecewise-compiled model eagerly)."""
+        return (key is not None and not key.uniform_decode and self.piecewise_token_sizes != ()
+                and key.max_len_bucket == self.length_buckets.max_model_len
+                and key.num_tokens_padded in self.piecewise_token_sizes
+                and key.num_tokens_padded not in self.mixed_token_sizes)
+
+    def piecewise_keys(self) -> list[GraphKey]:
+        """Every piecewise key, largest first."""
+        top = self.length_buckets.max_model_len
+        return [GraphKey(t, t, top, False) for t in sorted(self.piecewise_token_sizes,
+                                                             reverse=True)]
 
     def dispatch_shape(self, shape: BatchShape) -> GraphKey | None:
         """`dispatch` of a BatchShape (a uniform flag for another query length counts as mixed)."""
@@ -120,4 +156,8 @@ class GraphDispatcher:
             t = pad_to_capture_size(max(num_tokens, 1), self.mixed_token_sizes)
             if t is not None:
                 return GraphKey(t, t, bucket, False)
+        if self.piecewise_token_sizes:
+            t = pad_to_capture_size(max(num_tokens, 1), self.piecewise_token_sizes)
+            if t is not None:
+                return GraphKey(t, t, self.length_buckets.max_model_len, False)
         return None

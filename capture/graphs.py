@@ -38,6 +38,8 @@ class CaptureReport:
         Keys captured by this call (CUDA graphs, or eager runs off CUDA).
     num_skipped : int
         Keys that already had a graph (a resumed capture).
+    num_piecewise : int
+        Piecewise token counts whose pieces were captured (GraphRunner).
     device : str
         Device type; graphs exist on "cuda" only.
     seconds : float
@@ -51,6 +53,7 @@ class CaptureReport:
 
     num_graphs: int = 0
     num_skipped: int = 0
+    num_piecewise: int = 0
     device: str = "cuda"
     seconds: float = 0.0
     pool_bytes: int = 0
@@ -58,6 +61,8 @@ class CaptureReport:
 
     def __str__(self) -> str:
         skipped = f", {self.num_skipped} already captured" if self.num_skipped else ""
+        if self.num_piecewise:
+            skipped += f", pieces at {self.num_piecewise} token counts"
         if self.device != "cuda":
             return (f"ran {self.num_graphs} keys eagerly: no CUDA graphs on {self.device} "
                     f"({self.seconds:.2f} s{skipped})")

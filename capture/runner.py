@@ -22,10 +22,11 @@ from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.dispatcher import GraphDispatcher
 from graphattn.capture.graphs import CaptureReport, CUDAGraphManager, GraphNotCapturedError
+from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import INT32_MAX, as_int32_array
 from graphattn.compile import BucketCompiler
-from graphattn.keys import GraphKey
+from graphattn.keys import CUDAGraphMode, GraphKey
 from graphattn.metadata import build_common_metadata
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
@@ -72,6 +73,9 @@ class StepOutput:
         runner's on_missing="eager" ran it eagerly at the key's shapes).
     host_seconds : float
         Host time of step() (the device may still be running).
+    mode : CUDAGraphMode
+        How the step ran: FULL (a whole-step graph replayed), PIECEWISE (the
+        pieces of the split model replayed around eager attention) or NONE (eager).
     """
 
     logits: torch.Tensor
@@ -84,6 +88,7 @@ class StepOutput:
     num_rejected: torch.Tensor | None = None
     rejected_host: TokenFuture | None = None
     feedback: RejectionFeedback | None = None
+    mode: CUDAGraphMode = CUDAGraphMode.NONE
 
 
 class TokenFuture:
@@ -197,6 +202,12 @@ class GraphRunner:
         Sample on the device with each request's SamplingParams (temperature,
         top-k, top-p, seed) read from per-slot buffers, and return logprobs.
         False: greedy only (no sort of the vocabulary in the graph).
+    mode : CUDAGraphMode or str
+        Which graphs exist (default full_and_piecewise: full keys first, then
+        piecewise keys when the policy has piecewise_token_sizes, then eager).
+        Piecewise keys run the forward compiled once and split at the attention
+        ops (`graphattn.capture.piecewise`), its pieces captured per padded token
+        count by `capture()`.
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
@@ -205,7 +216,8 @@ class GraphRunner:
                  builder: AttentionBuilder | None = None, on_missing: str = "eager",
                  profiler: StageProfiler | None = None,
                  dispatcher: GraphDispatcher | None = None, compile: bool = False,
-                 vocab_size: int | None = None, sampling: bool = False) -> None:
+                 vocab_size: int | None = None, sampling: bool = False,
+                 mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE) -> None:
         bad = set(static_input_names) - set(STATIC_INPUTS)
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
@@ -218,7 +230,7 @@ class GraphRunner:
         self.static_input_names = tuple(static_input_names)
         if dispatcher is None:
             dispatcher = GraphDispatcher.from_policy(self.policy, state.max_model_len,
-                                                     spec.capture_support)
+                                                     spec.capture_support, mode)
         self.dispatcher = dispatcher
         ctx = BuilderContext(state.block_size, dispatcher.decode_query_len, state.max_model_len,
                              dispatcher.length_buckets, state.device)
@@ -226,6 +238,8 @@ class GraphRunner:
         if not isinstance(self.builder, AttentionBuilder):
             raise TypeError(f"builder {type(self.builder).__name__} has no build(common, key)")
         self.graphs = CUDAGraphManager(self._graph_forward, state.device, on_missing=on_missing)
+        self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
+            dispatcher.piecewise_token_sizes) else None
         self.profiler = profiler or StageProfiler(enabled=False)
         self.padding = PaddingStats()
         self.vocab_size = vocab_size if vocab_size is not None else _vocab_size_of(forward)
@@ -344,7 +358,12 @@ class GraphRunner:
             inputs["input_ids"] = ids
         if "positions" in self.static_input_names:
             inputs["positions"] = batch.positions
-        forward = self.forward if self.compiler is None or key is None else self.compiler
+        if self.piecewise is not None and self.dispatcher.is_piecewise(key):
+            forward = self.piecewise
+        elif self.compiler is not None and key is not None:
+            forward = self.compiler
+        else:
+            forward = self.forward
         logits_all = forward(inputs, meta)
         seq = batch.seq_lens.long()
         qsl = batch.query_start_loc.long()
@@ -405,11 +424,20 @@ class GraphRunner:
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
             return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
 
+        full = [k for k in (self.dispatcher.all_keys() if keys is None else keys)
+                if not self.dispatcher.is_piecewise(k)]
         with self.profiler.range("capture"):
-            report = self.graphs.capture(self.dispatcher.all_keys() if keys is None else keys,
-                                         make_inputs, progress=progress)
+            report = self.graphs.capture(full, make_inputs, progress=progress)
+            if self.piecewise is not None:
+                for key in self.dispatcher.piecewise_keys():  # largest first, shared pool
+                    plan = self._dummy_plan(key)
+                    with self.piecewise.at_tokens(key.num_tokens_padded, capture=True):
+                        self._device_step(to_device(plan.packed, self.state.device), plan, key)
+                report.num_piecewise = len(self.dispatcher.piecewise_keys())
         if self.compiler is not None and keys is None:
             self.compiler.freeze()
+        if self.piecewise is not None and keys is None:
+            self.piecewise.freeze()
         return report
 
     @torch.inference_mode()
@@ -475,6 +503,7 @@ class GraphRunner:
                     f"no graph key fits the batch (reqs {shape.num_reqs}, tokens "
                     f"{shape.num_tokens}, max len {shape.max_seq_len}, uniform "
                     f"{shape.uniform_decode}) and on_missing='error' runs nothing eagerly")
+            piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
@@ -486,8 +515,13 @@ class GraphRunner:
         self._device_advanced = False
         try:
             with prof.range("replay" if replayed else "eager", key):
-                if key is None:
-                    outs = self._device_step(to_device(plan.packed, st.device), plan, None)
+                if key is None or piecewise:
+                    packed = to_device(plan.packed, st.device)
+                    if piecewise:
+                        with self.piecewise.at_tokens(key.num_tokens_padded):
+                            outs = self._device_step(packed, plan, key)
+                    else:
+                        outs = self._device_step(packed, plan, None)
                     outs = tuple(o[: sched.num_reqs] for o in outs)
                 else:
                     outs = self.graphs.replay(key, {"packed": plan.packed}, sched.num_reqs)
@@ -508,9 +542,11 @@ class GraphRunner:
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)
+        mode = (CUDAGraphMode.PIECEWISE if piecewise else
+                CUDAGraphMode.FULL if replayed else CUDAGraphMode.NONE)
         return StepOutput(outs[0], outs[1], key, replayed, time.perf_counter() - t0, host,
                           outs[2] if self.sampler is not None else None,
-                          outs[3] if feedback is not None else None, rejected, feedback)
+                          outs[3] if feedback is not None else None, rejected, feedback, mode)
 
     def _check_drafts(self, sched: SchedulerOutput, draft_token_ids: Any) -> np.ndarray | None:
         """Validate a step's drafts on the CPU (before anything changes)."""

@@ -165,15 +165,21 @@ class BucketPolicy:
         Padded token counts of mixed prefill+decode graphs (empty: eager).
     decode_query_len : int
         1 + speculative tokens per decode row.
+    piecewise_token_sizes : tuple[int, ...]
+        Padded token counts at which the pieces of a piecewise-compiled model are
+        captured (empty: no piecewise mode).
     """
 
     capture_sizes: tuple[int, ...] = field(default_factory=lambda: default_capture_sizes(16))
     length_boundaries: tuple[int, ...] = ()
     mixed_token_sizes: tuple[int, ...] = ()
     decode_query_len: int = 1
+    piecewise_token_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         validate_sizes("capture_sizes", self.capture_sizes)
         if self.mixed_token_sizes:
             validate_sizes("mixed_token_sizes", self.mixed_token_sizes)
+        if self.piecewise_token_sizes:
+            validate_sizes("piecewise_token_sizes", self.piecewise_token_sizes)
         as_index("decode_query_len", self.decode_query_len, 1, 1 << 10)

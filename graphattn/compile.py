@@ -16,14 +16,14 @@ import torch
 
 from graphattn.sync import opaque_region
 
-__all__ = ["BucketCompiler", "RecompileError"]
+__all__ = ["BucketCompiler", "RecompileError", "dynamo_limits"]
 
 
 class RecompileError(RuntimeError):
     """A compile happened after `BucketCompiler.freeze()`."""
 
 
-def _dynamo_limits(limit: int) -> contextlib.AbstractContextManager[None]:
+def dynamo_limits(limit: int) -> contextlib.AbstractContextManager[None]:
     cfg = torch._dynamo.config
     changes: dict[str, Any] = {}
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
@@ -95,7 +95,7 @@ class BucketCompiler:
         return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _dynamo_limits(self.max_compiles), opaque_region():
+        with dynamo_limits(self.max_compiles), opaque_region():
             try:
                 return self._compiled(*args, **kwargs)
             except Exception as e:

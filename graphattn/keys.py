@@ -11,7 +11,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BatchShape", "CaptureSupport", "GraphKey"]
+__all__ = ["BatchShape", "CUDAGraphMode", "CaptureSupport", "GraphKey"]
+
+
+class CUDAGraphMode(str, enum.Enum):
+    """How steps use CUDA graphs.
+
+    none: every step eager. piecewise: the model compiled once and split at the
+    attention ops, each piece captured per padded token count, attention eager
+    between them. full: whole steps captured per key (uniform decode and mixed
+    keys). full_decode_only: whole steps for uniform decode only.
+    full_and_piecewise: full keys first, piecewise for batches no full key fits.
+    """
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_full(self) -> bool:
+        return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
+                        CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
 
 
 class CaptureSupport(enum.IntEnum):

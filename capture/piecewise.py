@@ -1,0 +1,171 @@
+"""Piecewise CUDA graphs: the model compiled once, split at the attention ops, each piece
+captured per padded token count; attention runs eagerly between the pieces with the live
+metadata.
+
+`PiecewiseCompiler` is a torch.compile backend (dynamic shapes, fullgraph): it splits the
+FX graph at ``torch.ops.graphattn.write_kv`` / ``paged_attention`` (consecutive ones form
+one attention piece), so a model with L attention layers gives L + 1 pieces around L
+attention pieces. Off CUDA the pieces run as FX submodules; on CUDA each piece is captured
+into the shared pool once per padded token count (`tokens` set by the runner for the
+step), its live inputs copied into the captured static inputs before each replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from graphattn.compile import RecompileError, dynamo_limits
+from graphattn.sync import opaque_region
+
+__all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
+
+SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv")
+
+
+def _is_splitting(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "_qualified_op_name", None) or getattr(
+        getattr(node.target, "_schema", None), "name", None) or str(node.target)
+    return any(op in str(name).replace(".", "::") or op.replace("::", ".") in str(name)
+               for op in SPLITTING_OPS)
+
+
+class _Piece:
+    """One non-attention piece: eager off CUDA, one CUDA graph per token count on CUDA."""
+
+    def __init__(self, module: torch.nn.Module, owner: PiecewiseCompiler) -> None:
+        self.module, self.owner = module, owner
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Any], Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        owner = self.owner
+        if not owner.use_graphs or owner.tokens is None:
+            return self.module(*args)
+        entry = self.graphs.get(owner.tokens)
+        if entry is None:
+            if not owner.capturing:
+                return self.module(*args)
+            static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            self.module(*static)  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=owner.pool):
+                out = self.module(*static)
+            entry = self.graphs[owner.tokens] = (graph, static, out)
+            owner.num_captured += 1
+        graph, static, out = entry
+        for dst, src in zip(static, args, strict=True):
+            if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        graph.replay()
+        return out
+
+
+class PiecewiseCompiler:
+    """Compile `fn` once with dynamic shapes, split at the attention ops.
+
+    Parameters
+    ----------
+    fn : callable
+        The model forward ``fn(inputs, attn_metadata)``.
+    device : torch.device or str
+        CUDA: pieces are captured per token count into `pool`; else they run eagerly.
+    pool : optional
+        CUDA graph pool handle shared with the full graphs.
+
+    Attributes
+    ----------
+    num_pieces, num_attention_pieces : int
+        Pieces of the split graph (after the first compile).
+    num_compiles : int
+    tokens : int or None
+        The padded token count of the current step (set with `at_tokens`).
+    """
+
+    def __init__(self, fn: Callable[..., Any], device: torch.device | str,
+                 pool: Any = None) -> None:
+        self.device = torch.device(device)
+        self.use_graphs = self.device.type == "cuda"
+        self.pool = pool
+        self.tokens: int | None = None
+        self.capturing = False
+        self.frozen = False
+        self.num_compiles = self.num_pieces = self.num_attention_pieces = 0
+        self.num_captured = 0
+        self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        if self.frozen:
+            raise RecompileError("piecewise recompile after freeze(): a guarded value changed")
+        self.num_compiles += 1
+        part = 0
+        kinds: dict[int, bool] = {}
+        assign: dict[torch.fx.Node, int] = {}
+        prev = None
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "call_method" and node.target == "item":
+                raise ValueError(f"the compiled forward reads a tensor on the host ({node}): "
+                                 "not capturable piecewise")
+            split = _is_splitting(node)
+            if prev is not None and split != prev:
+                part += 1
+            assign[node] = part
+            kinds[part] = split
+            prev = split
+        split_gm = split_module(gm, None, lambda n: assign[n], keep_original_order=True)
+        self.num_pieces = sum(not v for v in kinds.values())
+        self.num_attention_pieces = sum(kinds.values())
+        for name, child in list(split_gm.named_children()):
+            idx = int(name.rsplit("_", 1)[1])
+            if not kinds.get(idx, False):
+                setattr(split_gm, name, _PieceModule(_Piece(child, self)))
+        return split_gm
+
+    @contextlib.contextmanager
+    def at_tokens(self, tokens: int, capture: bool = False) -> Iterator[None]:
+        """Run the pieces at `tokens` padded tokens (capturing missing graphs with `capture`)."""
+        self.tokens, self.capturing = tokens, capture
+        try:
+            yield
+        finally:
+            self.tokens, self.capturing = None, False
+
+    def __call__(self, inputs: dict[str, torch.Tensor], meta: Any) -> Any:
+        for t in inputs.values():
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        with dynamo_limits(64), opaque_region(), _shape_config():
+            return self._compiled(inputs, meta)
+
+    def freeze(self) -> None:
+        """From now on a compile raises RecompileError."""
+        self.frozen = True
+
+
+def _shape_config() -> contextlib.AbstractContextManager[None]:
+    """Python floats and ints of the metadata stay constants (a symbolic float would be a
+    0-d tensor read back with .item(), a host sync), and sizes that happen to be equal are
+    not unified (a later batch would recompile)."""
+    stack = contextlib.ExitStack()
+    cfg = torch._dynamo.config
+    stack.enter_context(cfg.patch({k: True for k in ("specialize_float", "specialize_int")
+                                   if hasattr(cfg, k)}))
+    fx_cfg = getattr(torch.fx.experimental, "_config", None)
+    if fx_cfg is not None and hasattr(fx_cfg, "use_duck_shape"):
+        stack.enter_context(fx_cfg.patch(use_duck_shape=False))
+    return stack
+
+
+class _PieceModule(torch.nn.Module):
+    def __init__(self, piece: _Piece) -> None:
+        super().__init__()
+        self.piece = piece
+
+    def forward(self, *args: Any) -> Any:
+        return self.piece(*args)
