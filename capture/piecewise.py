@@ -51,7 +51,9 @@ class _Piece:
         if entry is None:
             if not owner.capturing:
                 return self.module(*args)
-            static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            # weights and buffers stay by reference; activations get static copies
+            static = [a.clone() if isinstance(a, torch.Tensor) and not owner.is_state(a) else a
+                      for a in args]
             self.module(*static)  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=owner.pool):
@@ -97,7 +99,12 @@ class PiecewiseCompiler:
         self.frozen = False
         self.num_compiles = self.num_pieces = self.num_attention_pieces = 0
         self.num_captured = 0
+        self._state_ptrs = {t.data_ptr() for t in _module_state(fn)}
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
+
+    def is_state(self, t: torch.Tensor) -> bool:
+        """A parameter or buffer of the model (the same storage at every call)."""
+        return isinstance(t, torch.nn.Parameter) or t.data_ptr() in self._state_ptrs
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if self.frozen:
@@ -146,6 +153,14 @@ class PiecewiseCompiler:
     def freeze(self) -> None:
         """From now on a compile raises RecompileError."""
         self.frozen = True
+
+
+def _module_state(fn: Any) -> list[torch.Tensor]:
+    """Parameters and buffers of `fn` (an nn.Module, or an object holding one as `model`)."""
+    for holder in (fn, getattr(fn, "model", None)):
+        if isinstance(holder, torch.nn.Module):
+            return [*holder.parameters(), *holder.buffers()]
+    return []
 
 
 def _shape_config() -> contextlib.AbstractContextManager[None]:
