@@ -121,7 +121,8 @@ def main() -> None:
     if cuda:
         jobs += [("mixed", lambda: scenarios.mixed(device, steps=steps // 2)),
                  ("spec_decode", lambda: scenarios.spec_decode(device, steps=steps // 2)),
-                 ("many_lengths", lambda: scenarios.many_lengths(device, steps=steps))]
+                 ("many_lengths", lambda: scenarios.many_lengths(device, steps=steps)),
+                 ("graph_modes", lambda: scenarios.graph_modes(device, steps=steps // 2))]
     rows: list[dict] = []
     for name, job in tqdm(jobs, desc="bench", unit="scenario"):
         try:
