@@ -5,6 +5,7 @@
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
 #   tune           scripts/tune_attention.py (launch configs of the Triton kernel)
+#   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
@@ -37,6 +38,9 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0])) ;;
     tune)
       python3 scripts/tune_attention.py --out "$OUT" 2>&1 | tee "$OUT/tune_attention.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    serving)
+      python3 -m bench.serving --device cuda --out "$OUT" 2>&1 | tee "$OUT/serving.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     suite)
       python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench_log.txt"
