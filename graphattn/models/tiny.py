@@ -16,6 +16,8 @@ __all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]
 
 @dataclass(frozen=True, slots=True)
 class TinyConfig:
+    """Model shape; `tp_size` > 1 splits heads, KV heads and the MLP across ranks."""
+
     vocab_size: int = 512
     hidden_size: int = 128
     num_layers: int = 2
@@ -23,6 +25,7 @@ class TinyConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     rope_theta: float = 10000.0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -30,10 +33,27 @@ class TinyConfig:
                 f"hidden {self.hidden_size}, heads {self.num_heads}, kv heads "
                 f"{self.num_kv_heads}: hidden must divide by heads and heads by kv heads"
             )
+        if self.tp_size < 1 or (self.num_kv_heads % self.tp_size
+                                or self.intermediate_size % self.tp_size):
+            raise ValueError(f"tp_size = {self.tp_size} must divide num_kv_heads "
+                             f"{self.num_kv_heads} and intermediate_size "
+                             f"{self.intermediate_size}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.tp_size
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int,
@@ -58,27 +78,34 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg: TinyConfig) -> None:
+    """Column-parallel qkv / up, row-parallel o / down (an all-reduce each with tp_size > 1)."""
+
+    def __init__(self, cfg: TinyConfig, tp_group: Any = None) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
+        self.cfg, self.tp_group = cfg, tp_group
         self.norm1 = nn.RMSNorm(h)
         self.norm2 = nn.RMSNorm(h)
-        self.qkv = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
-        self.o = nn.Linear(cfg.num_heads * d, h, bias=False)
-        self.up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.qkv = nn.Linear(h, (cfg.local_heads + 2 * cfg.local_kv_heads) * d, bias=False)
+        self.o = nn.Linear(cfg.local_heads * d, h, bias=False)
+        self.up = nn.Linear(h, 2 * cfg.local_intermediate, bias=False)
+        self.down = nn.Linear(cfg.local_intermediate, h, bias=False)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        if self.cfg.tp_size > 1:
+            torch.distributed.all_reduce(y, group=self.tp_group)
+        return y
 
     def forward(self, x, rot, attn, impl, cache):
         cfg, d = self.cfg, self.cfg.head_dim
-        q, k, v = self.qkv(self.norm1(x)).split(
-            [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1)
-        q = apply_rope(q.view(-1, cfg.num_heads, d), *rot)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, d), *rot)
-        a = impl.forward(q, k, v.view(-1, cfg.num_kv_heads, d), cache, attn)
-        x = x + self.o(a.flatten(1))
+        hq, hkv = cfg.local_heads, cfg.local_kv_heads
+        q, k, v = self.qkv(self.norm1(x)).split([hq * d, hkv * d, hkv * d], -1)
+        q = apply_rope(q.view(-1, hq, d), *rot)
+        k = apply_rope(k.view(-1, hkv, d), *rot)
+        a = impl.forward(q, k, v.view(-1, hkv, d), cache, attn)
+        x = x + self._reduce(self.o(a.flatten(1)))
         g, u = self.up(self.norm2(x)).chunk(2, -1)
-        return x + self.down(nn.functional.silu(g) * u)
+        return x + self._reduce(self.down(nn.functional.silu(g) * u))
 
 
 class TinyDecoder(nn.Module):
@@ -95,24 +122,55 @@ class TinyDecoder(nn.Module):
     impl : object, optional
         ``impl.forward(q, k, v, (k_cache, v_cache), attn_metadata)``, e.g. a
         FlexAttentionImpl; default PagedAttentionImpl.
+    tp_group : torch.distributed.ProcessGroup, optional
+        With ``cfg.tp_size`` > 1: the tensor-parallel group whose all-reduces
+        follow o and down (this rank holds its slice of heads, KV heads and MLP;
+        `load_shard` fills it from a full model).
     """
 
-    def __init__(self, cfg: TinyConfig | None = None, impl: Any = None) -> None:
+    def __init__(self, cfg: TinyConfig | None = None, impl: Any = None,
+                 tp_group: Any = None) -> None:
         super().__init__()
         self.cfg = cfg or TinyConfig()
         c = self.cfg
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(_Layer(c, tp_group) for _ in range(c.num_layers))
         self.norm = nn.RMSNorm(c.hidden_size)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.impl = impl or PagedAttentionImpl(c.num_heads, c.head_dim, c.num_kv_heads)
+        self.impl = impl or PagedAttentionImpl(c.local_heads, c.head_dim, c.local_kv_heads)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def load_shard(self, full: TinyDecoder, rank: int) -> TinyDecoder:
+        """Copy this rank's slice of a full (tp_size 1) model's weights; returns self."""
+        c, d = self.cfg, self.cfg.head_dim
+        if full.cfg.tp_size != 1 or not 0 <= rank < c.tp_size:
+            raise ValueError(f"load_shard needs a full model and rank in [0, {c.tp_size}), got "
+                             f"tp_size {full.cfg.tp_size}, rank {rank}")
+        hq, hkv, i = c.local_heads * d, c.local_kv_heads * d, c.local_intermediate
+        big_q, big_kv, big_i = c.num_heads * d, c.num_kv_heads * d, c.intermediate_size
+        for mine, src in zip(self.layers, full.layers, strict=True):
+            w = src.qkv.weight
+            mine.qkv.weight.copy_(torch.cat([
+                w[rank * hq:(rank + 1) * hq],
+                w[big_q + rank * hkv:big_q + (rank + 1) * hkv],
+                w[big_q + big_kv + rank * hkv:big_q + big_kv + (rank + 1) * hkv]]))
+            mine.o.weight.copy_(src.o.weight[:, rank * hq:(rank + 1) * hq])
+            u = src.up.weight
+            mine.up.weight.copy_(torch.cat([u[rank * i:(rank + 1) * i],
+                                            u[big_i + rank * i:big_i + (rank + 1) * i]]))
+            mine.down.weight.copy_(src.down.weight[:, rank * i:(rank + 1) * i])
+            mine.norm1.load_state_dict(src.norm1.state_dict())
+            mine.norm2.load_state_dict(src.norm2.state_dict())
+        for name in ("embed", "norm", "lm_head"):
+            getattr(self, name).load_state_dict(getattr(full, name).state_dict())
+        return self
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> None:
         p = next(self.parameters())
         c = self.cfg
-        self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                               p.dtype, p.device) for _ in range(2))
+        self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, c.local_kv_heads,
+                                               c.head_dim, p.dtype, p.device) for _ in range(2))
                        for _ in range(c.num_layers)]
 
     def forward(self, inputs: dict[str, torch.Tensor],
@@ -127,8 +185,10 @@ class TinyDecoder(nn.Module):
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Dense causal forward of one sequence without any cache: [L, vocab]."""
+        """Dense causal forward of one sequence without any cache: [L, vocab] (tp_size 1)."""
         c = self.cfg
+        if c.tp_size != 1:
+            raise ValueError("reference_logits runs the full model (tp_size 1)")
         d = c.head_dim
         pos = torch.arange(token_ids.shape[0], device=token_ids.device)
         x = self.embed(token_ids)
