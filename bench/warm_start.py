@@ -1,0 +1,55 @@
+"""Cold vs warm start: capture (compile included) of a compiled runner in two fresh
+processes sharing one compile-cache folder (torch's inductor FX-graph and AOT caches, under
+TORCHINDUCTOR_CACHE_DIR; point it at a folder of your own to keep artifacts across runs).
+
+    python -m bench.warm_start [--device cuda] [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = """
+import json, time, torch
+from graphattn.buckets import BucketPolicy
+from graphattn.capture.runner import GraphRunner
+from graphattn.models.tiny import TinyConfig, TinyDecoder
+from graphattn.state import RequestState
+dev = "{device}"
+torch.manual_seed(0)
+model = TinyDecoder(TinyConfig()).to(dev)
+st = RequestState(8, 256, 16, dev)
+model.allocate_caches(8 * st.max_num_blocks_per_req, 16)
+runner = GraphRunner(model, st, compile=True, policy=BucketPolicy(
+    capture_sizes=(1, 2, 4, 8), length_boundaries=(64, 128)))
+t0 = time.perf_counter()
+report = runner.capture(progress=False)
+print(json.dumps({{"seconds": time.perf_counter() - t0, "keys": report.num_graphs,
+                  "compiles": runner.compiler.num_compiles}}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cache-dir", default=None)
+    args = ap.parse_args()
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="graphattn-inductor-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    rows = []
+    for start in ("cold", "warm"):
+        proc = subprocess.run([sys.executable, "-c", CHILD.format(device=args.device)],
+                              capture_output=True, text=True, env=env, check=True)
+        rows.append({"start": start, "cache_dir": cache, **json.loads(
+            proc.stdout.strip().splitlines()[-1])})
+        print(json.dumps(rows[-1]))
+
+
+if __name__ == "__main__":
+    main()
