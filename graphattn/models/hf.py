@@ -29,11 +29,13 @@ __all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported"]
 ATTN_NAME = "graphattn_paged"
 # model_type -> checked against the model's own generate() token for token (tests)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text",
-             "granite", "gpt2", "gpt_neox")
+             "granite", "gpt2", "gpt_neox", "gpt_oss", "qwen2_moe")
+# mixture-of-experts layers run transformers' "batched_mm" experts implementation while our
+# forward runs: every routed (token, expert) pair gathers its expert's weights, fixed shapes,
+# no host read (the default implementation finds the hit experts with nonzero)
+EXPERTS_IMPLEMENTATION = "batched_mm"
 # why the others are refused
 _REASONS = {
-    "gpt_oss": "the experts' default implementation in transformers finds the routed experts "
-               "with nonzero (host reads, data-dependent shapes): not capturable",
     "bart": "encoder-decoder: needs the cross backend with encoder outputs",
     "whisper": "encoder-decoder: needs the cross backend with encoder outputs",
 }
@@ -47,11 +49,6 @@ def check_supported(model: nn.Module) -> None:
         reason = _REASONS.get(mtype)
         if reason is None and getattr(cfg, "is_encoder_decoder", False):
             reason = _REASONS["bart"]
-        experts = max((v for k, v in vars(cfg).items()
-                       if k in ("num_experts", "num_local_experts", "n_routed_experts")
-                       and isinstance(v, int)), default=0)
-        if reason is None and experts > 1:
-            reason = _REASONS["gpt_oss"]
         raise ValueError(
             f"{name} (model_type {mtype!r}) is not supported by graphattn.models.hf: "
             f"{reason or 'not among the families checked against generate()'}; supported: "
@@ -126,7 +123,10 @@ class HFCausalLM:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         cfg = self.model.config
         user_impl = cfg._attn_implementation
+        user_experts = getattr(cfg, "_experts_implementation", None)
         cfg._attn_implementation = ATTN_NAME  # only while our forward runs
+        if hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = EXPERTS_IMPLEMENTATION
         try:
             # the model's own forward: embedding scales, per-layer rope, logit scaling and
             # softcaps are the model's; no HF cache and no mask (our name has no mask
@@ -137,3 +137,5 @@ class HFCausalLM:
             return out.logits[0]
         finally:
             cfg._attn_implementation = user_impl
+            if hasattr(cfg, "_experts_implementation"):
+                cfg._experts_implementation = user_experts

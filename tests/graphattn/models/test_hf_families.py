@@ -30,6 +30,11 @@ FAMILIES = {
     # multi-head families: SMALL's num_key_value_heads would be stored, not used
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"num_key_value_heads": 4}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 4}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "head_dim": 16,
+                                                      "sliding_window": 8}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4,
+                                                           "moe_intermediate_size": 32,
+                                                           "shared_expert_intermediate_size": 32}),
 }
 
 
@@ -77,9 +82,8 @@ def test_family_matches_own_generate(family):
 
 
 REFUSED = {
-    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {}, "routed experts with nonzero"),
-    "GptOssForCausalLM": ("GptOssConfig", {"num_local_experts": 4, "head_dim": 16},
-                          "routed experts with nonzero"),
+    "MixtralForCausalLM": ("MixtralConfig", {"num_local_experts": 4},
+                           "not among the families checked"),
     "BartForCausalLM": ("BartConfig", {"d_model": 64, "encoder_attention_heads": 4,
                                        "decoder_attention_heads": 4}, "encoder-decoder"),
 }
