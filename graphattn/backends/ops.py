@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from graphattn.backends.kernels import grouped_attention, token_positions, token_request_index
+from graphattn.backends.kernels import (
+    gather_paged,
+    grouped_attention,
+    token_positions,
+    token_request_index,
+    write_to_cache,
+)
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
            "gather_paged_attention", "has_triton", "has_varlen_paged", "resolve_kernel",
@@ -137,8 +143,6 @@ def gather_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int = 0, softcap: float = 0.0,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The plain-torch paged attention (reference and CPU path); see `paged_attention`."""
-    from graphattn.backends.kernels import gather_paged
-
     t_total = q.shape[0]
     nd, qd, nb = num_decodes, decode_query_len, num_kv_blocks
     ndt = nd * qd
@@ -320,8 +324,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kernel : str
         "triton" on CUDA writes K and V in one launch; otherwise index_copy_.
     """
-    from graphattn.backends.kernels import write_to_cache
-
     if resolve_kernel(kernel, k.device) != "triton":
         write_to_cache(k_cache, slot_mapping, k)
         write_to_cache(v_cache, slot_mapping, v)
