@@ -31,7 +31,7 @@ from graphattn.metadata import build_common_metadata
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.transfer import to_device
+from graphattn.transfer import StagingRing, to_device
 
 __all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "SamplingParams", "StepOutput",
            "TokenFuture"]
@@ -248,6 +248,7 @@ class GraphRunner:
         self._device_advanced = False
         self.sampler = SamplingTable(state.max_num_reqs, state.device) if sampling else None
         self._outputs = _OutputRing(state.max_num_reqs, state.device)
+        self._staging = StagingRing(state.device)
         self._rejections = _OutputRing(state.max_num_reqs, state.device)
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
@@ -507,7 +508,8 @@ class GraphRunner:
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
-            plan = plan_batch(st, sched, *pads, shape=shape, draft_token_ids=drafts)
+            plan = plan_batch(st, sched, *pads, shape=shape, draft_token_ids=drafts,
+                              staging=self._staging)
         # the mirror advances with the device work: rolled back below if that work never ran
         rows = sched.req_slots
         saved = st.num_computed_tokens_np[rows].copy(), st.num_pending_drafts_np[rows].copy()
@@ -526,6 +528,7 @@ class GraphRunner:
                 else:
                     outs = self.graphs.replay(key, {"packed": plan.packed}, sched.num_reqs)
                     self._device_advanced = True
+            self._staging.release(plan.packed)  # its copy to the device is enqueued
         except BaseException:
             if not self._device_advanced:
                 st.num_computed_tokens_np[rows], st.num_pending_drafts_np[rows] = saved

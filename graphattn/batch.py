@@ -16,7 +16,7 @@ import torch
 
 from graphattn.keys import BatchShape
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.transfer import staging_buffer, to_device
+from graphattn.transfer import StagingRing, staging_buffer, to_device
 
 __all__ = ["BatchPlan", "InputBatch", "assemble_batch", "plan_batch", "prepare_inputs"]
 
@@ -164,6 +164,7 @@ def plan_batch(
     num_tokens_padded: int | None = None,
     shape: BatchShape | None = None,
     draft_token_ids: np.ndarray | None = None,
+    staging: StagingRing | None = None,
 ) -> BatchPlan:
     """CPU half of `prepare_inputs`: validate, pad and pack (numpy, no device work).
 
@@ -181,6 +182,9 @@ def plan_batch(
     draft_token_ids : np.ndarray, optional
         int [sum(sched.num_draft_tokens)]: the drafts of every row, rows in batch
         order; row r's drafts are its query tokens 1 .. num_draft_tokens[r].
+    staging : StagingRing, optional
+        Where the packed buffer comes from (the caller releases it after its copy);
+        default a fresh pinned buffer.
 
     Raises
     ------
@@ -198,7 +202,9 @@ def plan_batch(
         raise ValueError(f"num_reqs_padded = {reqs_p} is below num_reqs = {num_reqs}")
     if toks_p < num_tokens:
         raise ValueError(f"num_tokens_padded = {toks_p} is below num_tokens = {num_tokens}")
-    packed = staging_buffer(sum(_packed_sizes(reqs_p, toks_p)), torch.int32, state.device)
+    size = sum(_packed_sizes(reqs_p, toks_p))
+    packed = (staging.take(size, torch.int32) if staging is not None
+              else staging_buffer(size, torch.int32, state.device))
     plan = BatchPlan(num_reqs, reqs_p, num_tokens, toks_p, packed,
                      seq_lens_exact=not state.num_pending_drafts_np[sched.req_slots].any())
     plan.req_slots_np[:num_reqs] = sched.req_slots

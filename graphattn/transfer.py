@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["staging_buffer", "to_device"]
+__all__ = ["StagingRing", "staging_buffer", "to_device"]
 
 
 def staging_buffer(size: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -52,3 +52,53 @@ def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> t
             src = staging.copy_(src)
         return src.to(device, non_blocking=True)
     return src.to(device, copy=True)
+
+
+class StagingRing:
+    """Reused pinned staging buffers, each guarded by the event of the copy that read it.
+
+    `take` returns a zeroed buffer whose previous host-to-device copy has finished
+    (checked with a non-blocking event query; a new pinned buffer when none is free),
+    `release` hands it back after its copy was enqueued. Off CUDA `take` is
+    `staging_buffer` and `release` does nothing.
+
+    Parameters
+    ----------
+    device : torch.device or str
+    max_per_size : int
+        Free buffers kept per (size, dtype).
+    """
+
+    def __init__(self, device: torch.device | str, max_per_size: int = 8) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.max_per_size = max_per_size
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self.num_allocated = 0
+
+    def take(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed 1-D CPU buffer of `size` elements (pinned on CUDA)."""
+        if not self.cuda:
+            return staging_buffer(size, dtype, "cpu")
+        pool = self._free.setdefault((size, dtype), [])
+        for i, (buf, event) in enumerate(pool):
+            if event.query():
+                del pool[i]
+                return buf.zero_()
+        self.num_allocated += 1
+        return self._alloc(size, dtype)
+
+    def _alloc(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype, pin_memory=True)
+
+    def _event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give `buf` back once the copies reading it are enqueued on the current stream."""
+        if not self.cuda:
+            return
+        pool = self._free.setdefault((buf.shape[0], buf.dtype), [])
+        if len(pool) < self.max_per_size:
+            event = self._event()
+            event.record()
+            pool.append((buf, event))
