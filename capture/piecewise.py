@@ -37,11 +37,17 @@ def _is_splitting(node: torch.fx.Node) -> bool:
 
 
 class _Piece:
-    """One non-attention piece: eager off CUDA, one CUDA graph per token count on CUDA."""
+    """One non-attention piece: one CUDA graph per token count on CUDA, else a plain call.
 
-    def __init__(self, module: torch.nn.Module, owner: PiecewiseCompiler) -> None:
-        self.module, self.owner = module, owner
+    `fn` is the piece's FX submodule, or its inductor compilation.
+    """
+
+    def __init__(self, fn: Callable[..., Any], owner: PiecewiseCompiler) -> None:
+        self.fn, self.owner = fn, owner
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Any], Any]] = {}
+
+    def module(self, *args: Any) -> Any:
+        return self.fn(*args)
 
     def __call__(self, *args: Any) -> Any:
         owner = self.owner
@@ -79,6 +85,8 @@ class PiecewiseCompiler:
         CUDA: pieces are captured per token count into `pool`; else they run eagerly.
     pool : optional
         CUDA graph pool handle shared with the full graphs.
+    inner : {"inductor", "eager"}, optional
+        How each piece is compiled (default: inductor on CUDA, eager FX elsewhere).
 
     Attributes
     ----------
@@ -90,8 +98,11 @@ class PiecewiseCompiler:
     """
 
     def __init__(self, fn: Callable[..., Any], device: torch.device | str,
-                 pool: Any = None) -> None:
+                 pool: Any = None, inner: str | None = None) -> None:
         self.device = torch.device(device)
+        self.inner = inner or ("inductor" if self.device.type == "cuda" else "eager")
+        if self.inner not in ("inductor", "eager"):
+            raise ValueError(f"inner = {inner!r}, expected 'inductor' or 'eager'")
         self.use_graphs = self.device.type == "cuda"
         self.pool = pool
         self.tokens: int | None = None
@@ -129,10 +140,14 @@ class PiecewiseCompiler:
         split_gm = split_module(gm, None, lambda n: assign[n], keep_original_order=True)
         self.num_pieces = sum(not v for v in kinds.values())
         self.num_attention_pieces = sum(kinds.values())
-        for name, child in list(split_gm.named_children()):
-            idx = int(name.rsplit("_", 1)[1])
-            if not kinds.get(idx, False):
-                setattr(split_gm, name, _PieceModule(_Piece(child, self)))
+        pieces = {name for name, _ in split_gm.named_children()
+                  if not kinds.get(int(name.rsplit("_", 1)[1]), False)}
+        if self.inner == "inductor":
+            compiled = _compile_pieces(split_gm, pieces, example_inputs)
+        else:
+            compiled = {name: getattr(split_gm, name) for name in pieces}
+        for name, fn in compiled.items():
+            setattr(split_gm, name, _PieceModule(_Piece(fn, self)))
         return split_gm
 
     @contextlib.contextmanager
@@ -153,6 +168,32 @@ class PiecewiseCompiler:
     def freeze(self) -> None:
         """From now on a compile raises RecompileError."""
         self.frozen = True
+
+
+def _compile_pieces(split_gm: torch.fx.GraphModule, pieces: set[str],
+                    example_inputs: list[Any]) -> dict[str, Callable[..., Any]]:
+    """Inductor-compile each piece on the fake inputs it sees when the split graph runs."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled: dict[str, Callable[..., Any]] = {}
+
+    class Interp(torch.fx.Interpreter):
+        def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
+            if target in pieces and target not in compiled:
+                sub = getattr(split_gm, target)
+                compiled[target] = compile_fx(sub, list(args))
+            return super().call_module(target, args, kwargs)
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise RuntimeError("piecewise inductor compile needs dynamo's fake inputs")
+    args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(
+        a, FakeTensor) else a for a in example_inputs]
+    with fake_mode:
+        Interp(split_gm).run(*args)
+    return compiled
 
 
 def _module_state(fn: Any) -> list[torch.Tensor]:

@@ -96,3 +96,39 @@ def test_piecewise_replay_equals_eager_on_cuda_with_no_host_sync():
     assert runner.piecewise.num_captured == 3 * 4  # 4 pieces x 3 token counts
     modes = run(model, st, runner, 12, 2e-4, device="cuda")
     assert set(modes) == {CUDAGraphMode.PIECEWISE}
+
+
+def test_pieces_compile_with_inductor_and_match_eager():
+    """inner="inductor" (the CUDA default): each piece compiled on the fake inputs it sees,
+    one dynamic-shape compile serving every token count."""
+    from graphattn.backends.paged import PagedAttentionBuilder
+    from graphattn.batch import prepare_inputs
+    from graphattn.capture.piecewise import PiecewiseCompiler
+    from graphattn.metadata import build_common_metadata
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2))
+    st = RequestState(4, 64, 8)
+    model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
+    for i in range(3):
+        st.add_request(f"r{i}", 10, np.arange(i * 8, i * 8 + 8))
+    pc = PiecewiseCompiler(model, "cpu", inner="inductor")
+    sched = SchedulerOutput(np.arange(3), np.array([4, 2, 3]))
+    for t in (32, 16):
+        batch = prepare_inputs(st, sched, t, t)
+        meta = PagedAttentionBuilder(8).build(build_common_metadata(batch),
+                                              GraphKey(t, t, 64, False))
+        inputs = {"input_ids": torch.randint(0, 64, (t,)), "positions": batch.positions}
+        saved = [tuple(c.clone() for c in pair) for pair in model.caches]
+        with torch.inference_mode():
+            with pc.at_tokens(t):
+                out = pc(inputs, meta)
+            for pair, old in zip(model.caches, saved, strict=True):
+                for c, o in zip(pair, old, strict=True):
+                    c.copy_(o)
+            ref = model(inputs, meta)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (pc.num_compiles, pc.num_pieces) == (1, 3)
+    with pytest.raises(ValueError, match="inner = 'fast'"):
+        PiecewiseCompiler(model, "cpu", inner="fast")
