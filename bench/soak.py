@@ -2,12 +2,12 @@
 
     python -m bench.soak [--steps 20000] [--seed 0] [--device cpu]
 
-Runner part: requests join and leave, are preempted mid-prefill and readmitted, prompts are
-chunk-prefilled under a token budget, some steps are dummy runs of a captured key; after
-every step the CPU mirror must equal the device truth. Spec-decode part (a second state
-driven by `graphattn.workload.SyntheticScheduler`, drafts verified with random rejections,
-feedback two steps late): the bound must be >= the truth, and equal where no draft awaits
-verification. RSS and the runner's caches (graphs, plans) are sampled to catch growth.
+Requests join and leave, are preempted mid-prefill and readmitted, prompts are
+chunk-prefilled under a token budget, decode rows carry random drafts that the runner
+verifies inside the step, their feedback is applied one or two steps late (or refused as
+stale once the request is gone), and some steps are dummy runs of a captured key. After
+every step the CPU bound must be >= the device truth, and equal to it wherever no draft
+awaits verification. RSS and the runner's caches (graphs, plans) are sampled to catch growth.
 Prints one JSON line; exit status 1 on any violation.
 """
 
@@ -26,7 +26,7 @@ from graphattn.buckets import BucketPolicy
 from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.workload import SyntheticScheduler, WorkloadConfig, device_truth
+from graphattn.workload import device_truth
 
 
 def _rss_mib() -> float:
@@ -41,12 +41,12 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
     st = RequestState(8, 96, 8, device)
     model.allocate_caches(8 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(model, st, policy=BucketPolicy(
-        capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64), mixed_token_sizes=(16, 32)))
+        capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64), mixed_token_sizes=(16, 32, 64),
+        decode_query_len=3))
     runner.capture(progress=False)
     keys = runner.dispatcher.all_keys()
-    spec = RequestState(8, 96, 8, device)
-    sched_spec = SyntheticScheduler(spec, WorkloadConfig(num_spec_tokens=3, feedback_delay=3,
-                                                         max_new_tokens=(4, 30)), seed)
+    pending: list = []
+    stale = runner_steps = drafted = 0
     target: dict[str, int] = {}
     preempted: list[tuple[str, np.ndarray]] = []
     next_id = violations = dummy = preemptions = 0
@@ -79,31 +79,35 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
             dummy += 1
         if slots.size:
             left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
-            want = np.where(left > 0, left, 1)
+            room = st.max_model_len - st.num_computed_tokens_np[slots] - 1
+            drafts = np.where((left <= 0) & (room >= 2) & (rng.random(slots.size) < 0.7), 2, 0)
+            want = np.where(left > 0, left, 1 + drafts)
             take = np.minimum(want, np.maximum(32 - (np.cumsum(want) - want), 0))
-            if take.any():
-                runner.step(SchedulerOutput(slots[take > 0], take[take > 0]))
+            take = np.where(left > 0, take, want * (take == want))  # decode rows whole or not
+            keep = take > 0
+            if keep.any():
+                d = drafts[keep].astype(np.int32)
+                out = runner.step(SchedulerOutput(slots[keep], take[keep], d),
+                                  draft_token_ids=rng.integers(0, cfg.vocab_size, int(d.sum())))
+                runner_steps += 1
+                drafted += int(d.sum())
+                if out.feedback is not None:
+                    pending.append(out)
+        while len(pending) > int(rng.integers(1, 3)):  # feedback one or two steps late
+            stale += int(runner.apply_feedback(pending.pop(0)).stale.sum())
         truth = device_truth(st)
-        active = st.active_np
-        if not np.array_equal(st.num_computed_tokens_np[active], truth[active]):
+        live = st.active_np
+        exact = live & (st.num_pending_drafts_np == 0)
+        if (st.num_computed_tokens_np[live] < truth[live]).any() or not np.array_equal(
+                st.num_computed_tokens_np[exact], truth[exact]):
             violations += 1
-            first.append(f"runner step {step}: mirror {st.num_computed_tokens_np[active]} "
-                         f"truth {truth[active]}")
-        # spec decode on the state alone
-        s = sched_spec.next_schedule()
-        if s.num_reqs:
-            sched_spec.finish_step(s)
-        t = device_truth(spec)
-        live = spec.active_np
-        exact = live & (spec.num_pending_drafts_np == 0)
-        if (spec.num_computed_tokens_np[live] < t[live]).any() or not np.array_equal(
-                spec.num_computed_tokens_np[exact], t[exact]):
-            violations += 1
-            first.append(f"spec step {step}: bound {spec.num_computed_tokens_np[live]} "
-                         f"truth {t[live]}")
+            first.append(f"step {step}: bound {st.num_computed_tokens_np[live]} "
+                         f"truth {truth[live]} pending {st.num_pending_drafts_np[live]}")
     return {"steps": steps, "seed": seed, "device": device, "violations": violations,
             "first_violations": first[:3], "requests": next_id, "preemptions": preemptions,
-            "dummy_runs": dummy, "graphs": len(runner.graphs.keys),
+            "dummy_runs": dummy, "runner_steps": runner_steps, "drafts": drafted,
+            "stale_feedback_rows": stale,
+            "graphs": len(runner.graphs.keys),
             "plans_cached": len(runner._plans), "rss_mib_start": rss0,
             "rss_mib_end": _rss_mib(), "seconds": time.perf_counter() - t0}
 
