@@ -140,3 +140,31 @@ def test_drafts_validated_and_stale_feedback_refused():
     runner.add_request("b", [9, 9])  # takes the slot before a's feedback arrives
     result = runner.apply_feedback(out)
     assert result.stale.tolist() == [True] and st.num_computed_tokens_np[a] == 0
+
+
+@pytest.mark.cuda
+def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot():
+    from graphattn.capture.runner import _OutputRing
+
+    st, runner = make(device="cuda")
+    runner.capture(progress=False)
+    a = runner.add_request("a", [1, 2, 3])
+    outs = [runner.step(SchedulerOutput(np.array([a]), np.array([3])))]
+    for _ in range(_OutputRing.DEPTH + 1):
+        with no_host_sync():
+            outs.append(runner.step(SchedulerOutput(np.array([a]), np.array([1]))))
+    assert outs[-1].sampled_host.wait().tolist() == outs[-1].sampled.tolist()
+    with pytest.raises(RuntimeError, match="overwritten: read a TokenFuture within"):
+        outs[0].sampled_host.wait()
+
+
+@pytest.mark.cuda
+def test_staging_ring_reuses_pinned_buffers_on_cuda():
+    st, runner = make(device="cuda")
+    runner.capture(progress=False)
+    a = runner.add_request("a", [1, 2, 3])
+    runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    for _ in range(50):
+        runner.step(SchedulerOutput(np.array([a]), np.array([1])))
+    torch.cuda.synchronize()
+    assert runner._staging.num_allocated <= 10  # not one pinned allocation per step
