@@ -20,3 +20,15 @@ def two_request_batch(device="cpu", reqs_padded=4, toks_padded=12):
     sched = SchedulerOutput(np.array([1, 0]), np.array([3, 6]))
     batch = prepare_inputs(st, sched, reqs_padded, toks_padded)
     return st, sched, batch, build_common_metadata(batch)
+
+
+def spawn_two_ranks(worker, out_dir) -> None:
+    """Run ``worker(rank, port, out_dir)`` in 2 processes (gloo rendezvous on a free port)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, str(out_dir)), nprocs=2, join=True)

@@ -1,14 +1,13 @@
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graphattn.buckets import LengthBuckets
 from graphattn.capture.data_parallel import BatchShape, agree_on_shape, dispatch_across_ranks
 from graphattn.capture.dispatcher import GraphDispatcher, GraphKey
+from tests.helpers import spawn_two_ranks
 
 SHAPES = [BatchShape(3, 6, 40, True), BatchShape(5, 10, 20, True)]
 MIXED = [BatchShape(3, 6, 40, True), BatchShape(2, 9, 70, False)]
@@ -24,14 +23,8 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_agree_on_one_key(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two_ranks(_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2))
     assert r0 == r1
     assert r0["s1"] == BatchShape(5, 10, 40, True)
@@ -84,7 +77,7 @@ def _runner_worker(rank, port, out_dir):
 
 
 def test_two_runner_ranks_run_the_same_key_every_step(tmp_path):
-    mp.spawn(_runner_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two_ranks(_runner_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"runner{r}.pt", weights_only=False) for r in range(2))
     assert r0["keys"] == r1["keys"] and r0["ok"] and r1["ok"]
     assert sum(k is not None for k in r0["keys"]) >= 30

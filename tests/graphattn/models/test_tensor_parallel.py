@@ -3,17 +3,16 @@ heads and MLP, all-reduces after o and down, and the runner's logits equal one p
 
 import dataclasses
 import os
-import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
+from tests.helpers import spawn_two_ranks
 
 CFG = TinyConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
                  intermediate_size=96)
@@ -52,14 +51,8 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_logits_equal_one_process(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two_ranks(_worker, tmp_path)
     for r in range(2):
         got = torch.load(tmp_path / f"tp{r}.pt", weights_only=False)
         assert max(got["diffs"]) < 1e-10, got["diffs"]
