@@ -22,13 +22,23 @@ def two_request_batch(device="cpu", reqs_padded=4, toks_padded=12):
     return st, sched, batch, build_common_metadata(batch)
 
 
-def spawn_two_ranks(worker, out_dir) -> None:
-    """Run ``worker(rank, port, out_dir)`` in 2 processes (gloo rendezvous on a free port)."""
+def spawn_two_ranks(worker, out_dir, tries: int = 3) -> None:
+    """Run ``worker(rank, port, out_dir)`` in 2 processes (gloo rendezvous on a free port).
+
+    A rendezvous can lose its port to another process between the probe and the bind, so a
+    failed run is retried on a fresh port; a real failure fails every try.
+    """
     import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(out_dir)), nprocs=2, join=True)
+    for attempt in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            mp.spawn(worker, args=(port, str(out_dir)), nprocs=2, join=True)
+            return
+        except mp.ProcessRaisedException:
+            if attempt == tries - 1:
+                raise
