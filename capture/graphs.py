@@ -170,6 +170,7 @@ class CUDAGraphManager:
         keys: Iterable[GraphKey],
         make_inputs: Callable[[GraphKey], dict[str, torch.Tensor]],
         progress: bool = False,
+        summary: bool | None = None,
     ) -> CaptureReport:
         """Capture every key, largest first, into the shared pool.
 
@@ -184,8 +185,9 @@ class CUDAGraphManager:
             from CPU numbers only (all rows padded: slot -1, length 0). They
             become the graph's static buffers.
         progress : bool
-            A tqdm bar over the keys (total shown before the first capture) and
-            the report's one-line summary at the end.
+            A tqdm bar over the keys (total shown before the first capture).
+        summary : bool, optional
+            Write the report's one-line summary at the end (default: `progress`).
         """
         order = sorted(set(keys), key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
                                                  k.max_len_bucket, k.uniform_decode),
@@ -212,7 +214,7 @@ class CUDAGraphManager:
             torch.cuda.synchronize(self.device)
             report.pool_bytes = self._pool_bytes(reserved0)
         report.seconds = time.perf_counter() - t0
-        if progress:
+        if progress if summary is None else summary:
             tqdm.write(f"graphattn: {report}")
         return report
 

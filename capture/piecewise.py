@@ -21,21 +21,20 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
+from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
 from graphattn.compile import RecompileError, dynamo_limits
 from graphattn.sync import opaque_region
 
 __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
 
 SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv")
+_SPLIT_TARGETS = frozenset(
+    t for op in (torch.ops.graphattn.paged_attention, torch.ops.graphattn.write_kv)
+    for t in (op, op.default))
 
 
 def _is_splitting(node: torch.fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    name = getattr(node.target, "_qualified_op_name", None) or getattr(
-        getattr(node.target, "_schema", None), "name", None) or str(node.target)
-    return any(op in str(name).replace(".", "::") or op.replace("::", ".") in str(name)
-               for op in SPLITTING_OPS)
+    return node.op == "call_function" and node.target in _SPLIT_TARGETS
 
 
 class _Piece:
@@ -48,24 +47,21 @@ class _Piece:
         self.fn, self.owner = fn, owner
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Any], Any]] = {}
 
-    def module(self, *args: Any) -> Any:
-        return self.fn(*args)
-
     def __call__(self, *args: Any) -> Any:
         owner = self.owner
         if not owner.use_graphs or owner.tokens is None:
-            return self.module(*args)
+            return self.fn(*args)
         entry = self.graphs.get(owner.tokens)
         if entry is None:
             if not owner.capturing:
-                return self.module(*args)
+                return self.fn(*args)
             # weights and buffers stay by reference; activations get static copies
             static = [a.clone() if isinstance(a, torch.Tensor) and not owner.is_state(a) else a
                       for a in args]
-            self.module(*static)  # warm-up
+            self.fn(*static)  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=owner.pool):
-                out = self.module(*static)
+                out = self.fn(*static)
             entry = self.graphs[owner.tokens] = (graph, static, out)
             owner.num_captured += 1
         graph, static, out = entry

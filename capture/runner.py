@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
 from graphattn.batch import BatchPlan, assemble_batch, plan_batch
@@ -427,14 +428,19 @@ class GraphRunner:
 
         full = [k for k in (self.dispatcher.all_keys() if keys is None else keys)
                 if not self.dispatcher.is_piecewise(k)]
+        t0 = time.perf_counter()
         with self.profiler.range("capture"):
-            report = self.graphs.capture(full, make_inputs, progress=progress)
+            report = self.graphs.capture(full, make_inputs, progress=progress,
+                                         summary=progress and self.piecewise is None)
             if self.piecewise is not None:
                 for key in self.dispatcher.piecewise_keys():  # largest first, shared pool
                     plan = self._dummy_plan(key)
                     with self.piecewise.at_tokens(key.num_tokens_padded, capture=True):
                         self._device_step(to_device(plan.packed, self.state.device), plan, key)
                 report.num_piecewise = len(self.dispatcher.piecewise_keys())
+                report.seconds = time.perf_counter() - t0
+                if progress:
+                    tqdm.write(f"graphattn: {report}")
         if self.compiler is not None and keys is None:
             self.compiler.freeze()
         if self.piecewise is not None and keys is None:
@@ -539,9 +545,8 @@ class GraphRunner:
             feedback = rejected = None
             if sched.num_draft_tokens is not None:
                 rejected = self._rejections.push(outs[3])
-                feedback = RejectionFeedback(sched.req_slots, sched.num_draft_tokens,
-                                             np.zeros(sched.num_reqs, np.int32),
-                                             st.generation_np[sched.req_slots], st.num_steps - 1)
+                # rejected counts are filled in by apply_feedback once they reach the host
+                feedback = RejectionFeedback.of_step(st, sched, np.zeros(sched.num_reqs, np.int32))
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)

@@ -95,7 +95,7 @@ class BatchPlan:
                 f"torch.int32 ({sum(sizes)},)"
             )
         flat, views, at = self.packed.numpy(), [], 0
-        for n in sizes:  # six views, sliced directly (np.split costs more than the rest)
+        for n in sizes:  # the segment views, sliced directly (np.split costs more than the rest)
             views.append(flat[at : at + n])
             at += n
         (self.req_slots_np, self.num_scheduled_tokens_np, self.query_start_loc_np,

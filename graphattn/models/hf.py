@@ -82,9 +82,8 @@ class HFCausalLM:
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        A model of the `SUPPORTED` families (``model.model.{embed_tokens,
-        rotary_emb, layers, norm}`` and ``model.lm_head``); others are refused
-        (`check_supported`).
+        A causal LM of the `SUPPORTED` families, run through its own forward;
+        others are refused (`check_supported`).
     """
 
     def __init__(self, model: nn.Module) -> None:
