@@ -1,4 +1,4 @@
-"""Run the benchmark suite: `python -m bench [--out DIR] [--quick]`.
+"""Run the benchmark suite: `python -m bench [--out DIR] [--quick] [--only A,B]`.
 
 Every device: host overhead of planning per stage (prepare, build, plan) for 1..4096
 requests, micro-batch planning, and the cost of an NVTX range. On CUDA also the runner
@@ -24,7 +24,7 @@ from bench import host_overhead, profiling_overhead, scenarios
 COLUMNS = ("scenario", "mode", "batch", "us_step", "us_p25", "us_p75", "host_dispatch_us",
            "host_prepare_us", "host_replay_us", "host_eager_us", "host_postprocess_us",
            "prepare_us", "build_us", "plan_us", "syncs_per_step", "graphs", "capture_s",
-           "pool_mb", "token_waste", "len_waste", "error")
+           "pool_mb", "token_waste", "len_waste", "chunk", "step_modes", "pieces", "error")
 
 
 def _fmt(v: object) -> str:
@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and sizes")
     ap.add_argument("--replay", default="bench/results/graph_replay.json",
                     help="graph_replay rows to plot (skipped when missing)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated scenario names to run (default: all)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +125,13 @@ def main() -> None:
                  ("spec_decode", lambda: scenarios.spec_decode(device, steps=steps // 2)),
                  ("many_lengths", lambda: scenarios.many_lengths(device, steps=steps)),
                  ("graph_modes", lambda: scenarios.graph_modes(device, steps=steps // 2))]
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {name for name, _ in jobs}
+        if unknown:
+            ap.error(f"--only: unknown scenario(s) {sorted(unknown)}; "
+                     f"on {device}: {[name for name, _ in jobs]}")
+        jobs = [(name, job) for name, job in jobs if name in wanted]
     rows: list[dict] = []
     for name, job in tqdm(jobs, desc="bench", unit="scenario"):
         try:

@@ -173,42 +173,49 @@ def many_lengths(device: str, batch: int = 32, steps: int = 300) -> list[dict]:
                  keys_used=len(keys), eager_steps=int(None in keys))]
 
 
-def graph_modes(device: str, steps: int = 60, decodes: int = 8, chunk: int = 40) -> list[dict]:
+def graph_modes(device: str, steps: int = 60, decodes: int = 8,
+                chunks: tuple[int, ...] = (24, 40)) -> list[dict]:
     """Mixed prefill + decode steps under every CUDAGraphMode, side by side.
 
-    Each step: `decodes` decode rows plus one prefill chunk of `chunk` tokens (48 tokens,
-    more than the largest mixed key, so full modes run those steps eagerly and the
-    piecewise modes replay pieces); every 4th step is a pure decode step.
+    Each step: `decodes` decode rows plus one prefill chunk; every 4th step is a pure decode
+    step. With a chunk of 24 a mixed step has 32 tokens: the full mixed key (32 tokens)
+    exists, so the full modes replay it. With 40 the step has 48 tokens, more than the
+    largest mixed key: the full modes run it eagerly and the piecewise modes replay pieces.
     """
     from graphattn.keys import CUDAGraphMode
 
     rows = []
-    for mode in CUDAGraphMode:
-        policy = BucketPolicy(capture_sizes=(decodes,), length_boundaries=(256, 512),
-                              mixed_token_sizes=(32,), piecewise_token_sizes=(32, 64, 128))
-        setup = make_setup(device, decodes + 1, 1024, policy, profiler=_profiler(), mode=mode)
-        report = setup.runner.capture(progress=False)
-        rng = np.random.default_rng(5)
-        fill_requests(setup, decodes, rng.integers(64, 256, decodes).astype(np.int32), rng)
-        st, runner = setup.state, setup.runner
-        runner.add_request("prefill", rng.integers(0, setup.model.cfg.vocab_size, 1000))
-        pslot = st.req_id_to_slot["prefill"]
-        slots = np.append(np.arange(decodes), pslot).astype(np.int32)
-        modes: list[str] = []
-
-        def step(i, st=st, runner=runner, slots=slots, pslot=pslot, modes=modes):
-            if st.num_computed_tokens_np[pslot] + chunk > 1000:
-                st.num_computed_tokens_np[pslot] = 0
-                st.num_computed_tokens[pslot : pslot + 1].fill_(0)
-            if i % 4 == 3:
-                out = runner.step(SchedulerOutput(slots[:-1], np.ones(decodes, np.int32)))
-            else:
-                out = runner.step(SchedulerOutput(slots, np.append(np.ones(decodes, np.int32),
-                                                                   chunk)))
-            modes.append(out.mode.value)
-
-        timing, syncs = _timed_steps(step, steps, device, f"graph_modes {mode.value}")
-        rows.append(_row("graph_modes", mode.value, decodes, timing, syncs, runner, report,
-                         step_modes=",".join(sorted(set(modes))),
-                         pieces=runner.piecewise.num_pieces if runner.piecewise else 0))
+    for chunk in chunks:
+        for mode in CUDAGraphMode:
+            rows.append(_graph_mode_row(device, mode, steps, decodes, chunk))
     return rows
+
+
+def _graph_mode_row(device, mode, steps: int, decodes: int, chunk: int) -> dict:
+    policy = BucketPolicy(capture_sizes=(decodes,), length_boundaries=(256, 512),
+                          mixed_token_sizes=(32,), piecewise_token_sizes=(32, 64, 128))
+    setup = make_setup(device, decodes + 1, 1024, policy, profiler=_profiler(), mode=mode)
+    report = setup.runner.capture(progress=False)
+    rng = np.random.default_rng(5)
+    fill_requests(setup, decodes, rng.integers(64, 256, decodes).astype(np.int32), rng)
+    st, runner = setup.state, setup.runner
+    runner.add_request("prefill", rng.integers(0, setup.model.cfg.vocab_size, 1000))
+    pslot = st.req_id_to_slot["prefill"]
+    slots = np.append(np.arange(decodes), pslot).astype(np.int32)
+    modes: list[str] = []
+
+    def step(i):
+        if st.num_computed_tokens_np[pslot] + chunk > 1000:
+            st.num_computed_tokens_np[pslot] = 0
+            st.num_computed_tokens[pslot : pslot + 1].fill_(0)
+        if i % 4 == 3:
+            out = runner.step(SchedulerOutput(slots[:-1], np.ones(decodes, np.int32)))
+        else:
+            out = runner.step(SchedulerOutput(slots, np.append(np.ones(decodes, np.int32),
+                                                               chunk)))
+        modes.append(out.mode.value)
+
+    timing, syncs = _timed_steps(step, steps, device, f"graph_modes {mode.value} {chunk}")
+    return _row("graph_modes", mode.value, decodes, timing, syncs, runner, report,
+                chunk=chunk, step_modes=",".join(sorted(set(modes))),
+                pieces=runner.piecewise.num_pieces if runner.piecewise else 0)

@@ -1,8 +1,9 @@
-"""Cold vs warm start: capture (compile included) of a compiled runner in two fresh
-processes sharing one compile-cache folder (torch's inductor FX-graph and AOT caches, under
-TORCHINDUCTOR_CACHE_DIR; point it at a folder of your own to keep artifacts across runs).
+"""Cold vs warm start: capture (compile included) of a compiled runner on the tiny model's
+default keys (`BucketPolicy()`), in two fresh processes sharing one compile-cache folder
+(torch's inductor FX-graph and AOT caches, under TORCHINDUCTOR_CACHE_DIR; point it at a folder
+of your own to keep artifacts across runs).
 
-    python -m bench.warm_start [--device cuda] [--cache-dir DIR]
+    python -m bench.warm_start [--device cuda] [--cache-dir DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
+
+import torch
 
 CHILD = """
 import json, time, torch
-from graphattn.buckets import BucketPolicy
 from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
@@ -25,8 +29,7 @@ torch.manual_seed(0)
 model = TinyDecoder(TinyConfig()).to(dev)
 st = RequestState(8, 256, 16, dev)
 model.allocate_caches(8 * st.max_num_blocks_per_req, 16)
-runner = GraphRunner(model, st, compile=True, policy=BucketPolicy(
-    capture_sizes=(1, 2, 4, 8), length_boundaries=(64, 128)))
+runner = GraphRunner(model, st, compile=True)
 t0 = time.perf_counter()
 report = runner.capture(progress=False)
 print(json.dumps({{"seconds": time.perf_counter() - t0, "keys": report.num_graphs,
@@ -39,6 +42,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="graphattn-inductor-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
@@ -49,6 +53,13 @@ def main() -> None:
         rows.append({"start": start, "cache_dir": cache, **json.loads(
             proc.stdout.strip().splitlines()[-1])})
         print(json.dumps(rows[-1]))
+    if args.out:
+        meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                "device": args.device, "command": "python -m bench.warm_start --device "
+                + args.device}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, f"warm_start_{args.device}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

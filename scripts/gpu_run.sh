@@ -6,7 +6,8 @@
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
 #   tune           scripts/tune_attention.py (launch configs of the Triton kernel)
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
-#   suite          python -m bench (the other scenarios)
+#   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
+#   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -43,7 +44,10 @@ for part in "$@"; do
       python3 -m bench.serving --device cuda --out "$OUT" 2>&1 | tee "$OUT/serving.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     suite)
-      python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench_log.txt"
+      python3 -m bench --out "$OUT" ${SUITE_ONLY:+--only "$SUITE_ONLY"} 2>&1 | tee "$OUT/bench_log.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    warm)
+      python3 -m bench.warm_start --device cuda --out "$OUT" 2>&1 | tee "$OUT/warm_start.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac
