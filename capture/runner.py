@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
-from graphattn.batch import BatchPlan, assemble_batch, plan_batch
+from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors, plan_batch
 from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.dispatcher import GraphDispatcher
@@ -225,7 +225,9 @@ class GraphRunner:
                              f"{STATIC_INPUTS}")
         spec = get_backend(backend)
         self.forward = forward
-        self.compiler = BucketCompiler(forward) if compile else None
+        # compile: the device step around the builder, in two compiled parts per key
+        self.compiler = BucketCompiler(self._run_compiled) if compile else None
+        self._assembler = BucketCompiler(assemble_tensors) if compile else None
         self.state = state
         self.policy = policy or BucketPolicy()
         self.static_input_names = tuple(static_input_names)
@@ -343,11 +345,30 @@ class GraphRunner:
         (0 without sampling=True); rejected : int32 [num_reqs_padded]
         """
         st = self.state
-        batch = assemble_batch(st, plan, packed)
+        piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
+        compiled = self.compiler is not None and key is not None and not piecewise
+        batch = assemble_batch(st, plan, packed, self._assembler if compiled else
+                               assemble_tensors)
         with self.profiler.range("build", key):
             meta = self.builder.build(build_common_metadata(batch), key)
         spec = self.dispatcher.decode_query_len > 1 and (
             key is None or not key.uniform_decode or key.query_len > 1)
+        if compiled:
+            outs = self.compiler(batch, meta, spec)
+        else:
+            outs = self._run(batch, meta, spec, self.piecewise if piecewise else self.forward)
+        self._device_advanced = True
+        return outs
+
+    def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool) -> tuple[torch.Tensor, ...]:
+        return self._run(batch, meta, spec, self.forward)
+
+    def _run(self, batch: InputBatch, meta: Any, spec: bool,
+             forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Token ids in, forward, sampling, verification, write-back and the truth's advance
+        (pure device work on `batch` and `meta`: compiled with the forward when compile=True).
+        """
+        st = self.state
         ids = self.token_ids[batch.token_slots, batch.positions]
         if spec:
             drafts = batch.draft_ids.long()
@@ -360,12 +381,6 @@ class GraphRunner:
             inputs["input_ids"] = ids
         if "positions" in self.static_input_names:
             inputs["positions"] = batch.positions
-        if self.piecewise is not None and self.dispatcher.is_piecewise(key):
-            forward = self.piecewise
-        elif self.compiler is not None and key is not None:
-            forward = self.compiler
-        else:
-            forward = self.forward
         logits_all = forward(inputs, meta)
         seq = batch.seq_lens.long()
         qsl = batch.query_start_loc.long()
@@ -393,7 +408,6 @@ class GraphRunner:
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
         self.token_ids[batch.req_slots, col] = sampled
         st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
-        self._device_advanced = True
         return logits, sampled, logprobs, rejected
 
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
@@ -443,6 +457,7 @@ class GraphRunner:
                     tqdm.write(f"graphattn: {report}")
         if self.compiler is not None and keys is None:
             self.compiler.freeze()
+            self._assembler.freeze()
         if self.piecewise is not None and keys is None:
             self.piecewise.freeze()
         return report

@@ -9,6 +9,7 @@ right for every live batch of those sizes (a captured graph can run it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,8 @@ from graphattn.keys import BatchShape
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import StagingRing, staging_buffer, to_device
 
-__all__ = ["BatchPlan", "InputBatch", "assemble_batch", "plan_batch", "prepare_inputs"]
+__all__ = ["BatchPlan", "InputBatch", "assemble_batch", "assemble_tensors", "plan_batch",
+           "prepare_inputs"]
 
 
 def _packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
@@ -233,7 +235,45 @@ def plan_batch(
     return plan
 
 
-def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor) -> InputBatch:
+def assemble_tensors(packed: torch.Tensor, num_computed_tokens: torch.Tensor,
+                     state_block_table: torch.Tensor, num_reqs_padded: int,
+                     num_tokens_padded: int, block_size: int) -> tuple[torch.Tensor, ...]:
+    """The device tensors of `assemble_batch` from plain tensors and ints (capturable and
+    compilable: `GraphRunner(compile=True)` compiles it once per padded shape).
+
+    Returns
+    -------
+    (query_start_loc, seq_lens, positions, slot_mapping, block_table, req_indices,
+    token_slots, req_slots, num_scheduled, num_drafts, draft_ids); see InputBatch.
+    """
+    reqs_p, toks_p = num_reqs_padded, num_tokens_padded
+    d_slots, d_sched, d_qsl, _, d_drafts, d_req_idx, d_offsets, d_draft_ids = torch.split(
+        packed, _packed_sizes(reqs_p, toks_p))
+    d_slots = d_slots.long()
+    d_req_idx = d_req_idx.long()
+    real_row = d_sched > 0
+    real_tok = torch.arange(toks_p, device=packed.device) < d_qsl[-1]
+    computed = num_computed_tokens[d_slots]
+    seq_lens = torch.where(real_row, computed + d_sched, 0)
+    if reqs_p == 0:  # padded tokens with no row at all: nothing to gather
+        token_slots = torch.zeros_like(d_req_idx)
+        positions = torch.zeros(toks_p, dtype=torch.int64, device=packed.device)
+        slot_mapping = torch.full((toks_p,), -1, dtype=torch.int64, device=packed.device)
+    else:
+        token_slots = d_slots[d_req_idx]
+        positions = torch.where(real_tok, computed[d_req_idx] + d_offsets, 0).long()
+        max_blocks = state_block_table.shape[1]
+        block_idx = torch.clamp(positions // block_size, max=max_blocks - 1)
+        blocks = state_block_table[token_slots, block_idx].long()
+        slot_mapping = torch.where(real_tok, blocks * block_size + positions % block_size, -1)
+    block_table = torch.where(real_row[:, None], state_block_table[d_slots], 0)
+    return (d_qsl, seq_lens, positions, slot_mapping, block_table, d_req_idx, token_slots,
+            d_slots, d_sched, d_drafts, d_draft_ids)
+
+
+def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor,
+                   tensors_fn: Callable[..., tuple[torch.Tensor, ...]] = assemble_tensors,
+                   ) -> InputBatch:
     """Device half of `prepare_inputs` (capturable): the InputBatch of `plan`.
 
     Reads `plan`'s padded sizes only, never its live counts: padded rows are
@@ -252,33 +292,19 @@ def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor) -
     packed : torch.Tensor
         int32 [plan.packed.shape[0]] on `state.device`: a packed buffer of
         those sizes (this plan's, or a live one's in a captured graph).
+    tensors_fn : callable
+        `assemble_tensors`, or a compiled version of it.
     """
-    reqs_p, toks_p = plan.num_reqs_padded, plan.num_tokens_padded
-    d_slots, d_sched, d_qsl, _, d_drafts, d_req_idx, d_offsets, d_draft_ids = torch.split(
-        packed, _packed_sizes(reqs_p, toks_p))
-    d_slots = d_slots.long()
-    d_req_idx = d_req_idx.long()
-    real_row = d_sched > 0
-    real_tok = torch.arange(toks_p, device=packed.device) < d_qsl[-1]
-    computed = state.num_computed_tokens[d_slots]
-    seq_lens = torch.where(real_row, computed + d_sched, 0)
-    if reqs_p == 0:  # padded tokens with no row at all: nothing to gather
-        token_slots = torch.zeros_like(d_req_idx)
-        positions = torch.zeros(toks_p, dtype=torch.int64, device=packed.device)
-        slot_mapping = torch.full((toks_p,), -1, dtype=torch.int64, device=packed.device)
-    else:
-        token_slots = d_slots[d_req_idx]
-        positions = torch.where(real_tok, computed[d_req_idx] + d_offsets, 0).long()
-        bs = state.block_size
-        block_idx = torch.clamp(positions // bs, max=state.max_num_blocks_per_req - 1)
-        blocks = state.block_table[token_slots, block_idx].long()
-        slot_mapping = torch.where(real_tok, blocks * bs + positions % bs, -1)
-    block_table = torch.where(real_row[:, None], state.block_table[d_slots], 0)
-    return InputBatch(plan.num_reqs, reqs_p, plan.num_tokens, toks_p, plan.packed,
-                      plan.seq_lens_exact, query_start_loc=d_qsl, seq_lens=seq_lens,
-                      positions=positions, slot_mapping=slot_mapping, block_table=block_table,
-                      req_indices=d_req_idx, token_slots=token_slots, req_slots=d_slots,
-                      num_scheduled=d_sched, num_drafts=d_drafts, draft_ids=d_draft_ids)
+    (qsl, seq_lens, positions, slot_mapping, block_table, req_idx, token_slots, req_slots,
+     sched, drafts, draft_ids) = tensors_fn(packed, state.num_computed_tokens, state.block_table,
+                                            plan.num_reqs_padded, plan.num_tokens_padded,
+                                            state.block_size)
+    return InputBatch(plan.num_reqs, plan.num_reqs_padded, plan.num_tokens,
+                      plan.num_tokens_padded, plan.packed, plan.seq_lens_exact,
+                      query_start_loc=qsl, seq_lens=seq_lens, positions=positions,
+                      slot_mapping=slot_mapping, block_table=block_table, req_indices=req_idx,
+                      token_slots=token_slots, req_slots=req_slots, num_scheduled=sched,
+                      num_drafts=drafts, draft_ids=draft_ids)
 
 
 def prepare_inputs(

@@ -188,9 +188,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     g = h // hkv
     rows = block_table.shape[0]
-    out = q.new_zeros(t, h, dv)
     if t == 0 or rows == 0:
-        return out
+        return q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if uniform_query_len:  # one tile per row
@@ -204,20 +203,20 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_splits, split_len = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                                        cfg.waves) if uniform_query_len else (1, max(max_len, 1))
     use_sinks = sinks is not None
-    sink_arg = sinks if use_sinks else out
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)),
                   DV_PAD=max(16, _pow2(dv)), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
                   PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0,
                   USE_WINDOW=window > 0, USE_SINKS=use_sinks, WRITE_LSE=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits == 1:
+    if num_splits == 1:  # padded tokens belong to no tile: their zeros come from here
+        out = q.new_zeros(t, h, dv)
         part, part_lse = out, out
-    else:
+    else:  # the merge writes every token (0 for padded ones): no fill launched
+        out = q.new_empty(t, h, dv)
         part = torch.empty(t * h * num_splits, common["DV_PAD"], dtype=torch.float32,
                            device=q.device)
-        # splits no program writes (padded tokens) keep -inf and merge to 0
-        part_lse = torch.full((t * h * num_splits,), float("-inf"), dtype=torch.float32,
-                              device=q.device)
+        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
+    sink_arg = sinks if use_sinks else out
     unified_attention_kernel[(num_tiles, hkv, num_splits)](
         out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         sink_arg, scale, softcap if softcap > 0 else 1.0, window, split_len, rows, h,
@@ -226,7 +225,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.stride(0), out.stride(1), **common)
     if num_splits > 1:
         merge_splits_kernel[(t, h)](
-            out, out, part, part_lse, sink_arg, h, out.stride(0), out.stride(1),
+            out, out, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
+            out.stride(1),
             HEAD_DIM_V=dv, DV_PAD=common["DV_PAD"], NUM_SPLITS=num_splits,
             S_PAD=max(2, _pow2(num_splits)), USE_SINKS=use_sinks, WRITE_LSE=False, num_warps=4)
     return out

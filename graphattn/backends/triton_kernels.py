@@ -147,18 +147,25 @@ def unified_attention_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    out, lse_out, part_out, part_lse, sinks, num_heads,
+    out, lse_out, part_out, part_lse, sinks, query_start_loc, num_rows, num_heads,
     stride_ot, stride_oh,
     HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     S_PAD: tl.constexpr, USE_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """out[t, h] = the splits of (t, h) weighted by their softmax mass (+ the head's sink)."""
+    """out[t, h] = the splits of (t, h) weighted by their softmax mass (+ the head's sink).
+
+    Every split of a real token wrote its partial (an empty one with LSE -inf); padded
+    tokens (t >= query_start_loc[num_rows]) get 0 and LSE -inf, and their partials are
+    never read, so neither buffer needs filling first.
+    """
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, DV_PAD)
     base = (t * num_heads + h) * NUM_SPLITS
-    lse = tl.load(part_lse + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    real = t < tl.load(query_start_loc + num_rows)
+    lse = tl.load(part_lse + base + offs_s, mask=(offs_s < NUM_SPLITS) & real,
+                  other=float("-inf"))
     m = tl.max(lse, 0)
     if USE_SINKS:
         sink = tl.load(sinks + h) * 1.4426950408889634

@@ -99,10 +99,11 @@ class _Layer(nn.Module):
     def forward(self, x, rot, attn, impl, cache):
         cfg, d = self.cfg, self.cfg.head_dim
         hq, hkv = cfg.local_heads, cfg.local_kv_heads
-        q, k, v = self.qkv(self.norm1(x)).split([hq * d, hkv * d, hkv * d], -1)
-        q = apply_rope(q.view(-1, hq, d), *rot)
-        k = apply_rope(k.view(-1, hkv, d), *rot)
-        a = impl.forward(q, k, v.view(-1, hkv, d), cache, attn)
+        qkv = self.qkv(self.norm1(x))
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), *rot)  # one kernel
+        q, k = qk.split([hq, hkv], 1)
+        v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+        a = impl.forward(q, k, v, cache, attn)
         x = x + self._reduce(self.o(a.flatten(1)))
         g, u = self.up(self.norm2(x)).chunk(2, -1)
         return x + self._reduce(self.down(nn.functional.silu(g) * u))
