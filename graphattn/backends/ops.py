@@ -298,11 +298,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if kind == "varlen":
         if softcap > 0 or sinks is not None:
             raise ValueError("kernel 'varlen' supports neither softcap nor sinks")
-        return _varlen_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                 scale, max_len, window)
-    return gather_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                  slot_mapping, scale, num_decodes, decode_query_len,
-                                  num_kv_blocks, window, softcap, sinks)
+        out = _varlen_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                scale, max_len, window)
+    else:
+        out = gather_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                     block_table, slot_mapping, scale, num_decodes,
+                                     decode_query_len, num_kv_blocks, window, softcap, sinks)
+    return out.contiguous()  # the layout the fake implementation promises
 
 
 @paged_attention.register_fake

@@ -12,14 +12,14 @@ from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
 
 
-def make(sampling=True, device="cpu"):
+def make(sampling=True, device="cpu", compile=False):
     torch.manual_seed(0)
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(device)
     st = RequestState(4, 64, 8, device)
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2, 4),
                                                         length_boundaries=(32,)),
-                         sampling=sampling)
+                         sampling=sampling, compile=compile)
     return st, runner
 
 
@@ -39,11 +39,13 @@ def generate(runner, st, params, steps, force_eager=False):
     return np.stack(out), torch.stack(logprobs)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager_model", "compiled"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_seeded_requests_draw_the_same_tokens_on_replay_and_eager(device):
+def test_seeded_requests_draw_the_same_tokens_on_replay_and_eager(device, compile):
+    """Sampling runs inside the graph (compiled with the forward when compile=True)."""
     params = [SamplingParams(), SamplingParams(temperature=1.5, top_k=20, seed=7),
               SamplingParams(temperature=0.9, top_p=0.9, seed=11)]
-    st, runner = make(device=device)
+    st, runner = make(device=device, compile=compile)
     runner.capture(progress=False)
     replayed, lp = generate(runner, st, params, 12)
     st2, eager = make(device=device)
@@ -64,14 +66,14 @@ def test_greedy_runner_refuses_sampling_params():
     assert out.logprobs is None and out.sampled_host.wait().tolist() == out.sampled.tolist()
 
 
-def spec_runner(q):
+def spec_runner(q, compile=False):
     torch.manual_seed(0)
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).double()
     st = RequestState(2, 96, 8)
     model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(model, st, policy=BucketPolicy(
         capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
-        decode_query_len=q))
+        decode_query_len=q), compile=compile)
     runner.capture(progress=False)
     return st, runner
 
@@ -87,11 +89,13 @@ def plain_greedy(prompt, n):
     return seq
 
 
-@pytest.mark.parametrize("drafts_from", ["target", "noise"])
-def test_spec_decode_through_the_runner_matches_plain_decoding(drafts_from):
+@pytest.mark.parametrize(("drafts_from", "compile"),
+                         [("target", False), ("noise", False), ("noise", True)])
+def test_spec_decode_through_the_runner_matches_plain_decoding(drafts_from, compile):
+    """Verification runs inside the graph (compiled with the forward when compile=True)."""
     prompt, k, n = [5, 3, 9, 1, 7], 3, 24
     want = plain_greedy(prompt, n + k + 1)
-    st, runner = spec_runner(k + 1)
+    st, runner = spec_runner(k + 1, compile)
     a = runner.add_request("a", prompt)
     out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
     got = [int(out.sampled[0])]

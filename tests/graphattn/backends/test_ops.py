@@ -137,3 +137,28 @@ def test_triton_write_kv_and_graph_replay_reads_device_lengths():
         with no_host_sync():
             g.replay()
         torch.testing.assert_close(out.float(), reference(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(("rows", "qd"), [(3, 1), (1, 3), (3, 3)])
+def test_custom_ops_agree_with_their_fake_implementations(device, rows, qd):
+    """torch.library.opcheck and the fake's layout (inductor asserts it on the real output)
+    on uniform rows of `qd` query tokens."""
+    g = torch.Generator().manual_seed(qd)
+    bs, h, hkv, d = 8, 4, 2, 16
+    nblk = 4
+    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, generator=g).to(device) for _ in range(2))
+    t = rows * qd + 2  # two padded tokens
+    q = torch.randn(t, h, d, generator=g).to(device)
+    qsl = torch.arange(0, (rows + 1) * qd, qd, dtype=torch.int32, device=device)
+    seq = torch.tensor([9, 20, 31][:rows], dtype=torch.int32, device=device)
+    bt = torch.randperm(rows * nblk, generator=g).int().view(rows, nblk).to(device)
+    slots = torch.full((t,), -1, dtype=torch.int64, device=device)
+    args = (q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, qd, nblk, nblk * bs, 0, 0.0, None,
+            "auto")
+    torch.library.opcheck(torch.ops.graphattn.paged_attention.default, args)
+    out = torch.ops.graphattn.paged_attention(*args)
+    assert out.is_contiguous()  # inductor asserts the fake's strides on the real output
+    k, v = torch.randn(t, hkv, d, generator=g).to(device), torch.randn(t, hkv, d).to(device)
+    slots[: rows * qd] = torch.arange(rows * qd, device=device)
+    torch.library.opcheck(torch.ops.graphattn.write_kv.default, (k, v, kc, vc, slots, "auto"))
