@@ -28,8 +28,9 @@ __all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported"]
 
 ATTN_NAME = "graphattn_paged"
 # model_type -> checked against the model's own generate() token for token (tests)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text",
-             "granite", "gpt2", "gpt_neox", "gpt_oss", "qwen2_moe")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi",
+             "phi3", "phimoe", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "granite",
+             "cohere", "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss")
 # mixture-of-experts layers run transformers' "batched_mm" experts implementation while our
 # forward runs: every routed (token, expert) pair gathers its expert's weights, fixed shapes,
 # no host read (the default implementation finds the hit experts with nonzero)
@@ -38,6 +39,8 @@ EXPERTS_IMPLEMENTATION = "batched_mm"
 _REASONS = {
     "bart": "encoder-decoder: needs the cross backend with encoder outputs",
     "whisper": "encoder-decoder: needs the cross backend with encoder outputs",
+    "gpt_neo": "its local-attention layers give other tokens than its generate() here",
+    "gpt_bigcode": "multi-query attention is not read from its config here",
 }
 
 

@@ -35,6 +35,18 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4,
                                                            "moe_intermediate_size": 32,
                                                            "shared_expert_intermediate_size": 32}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "head_dim": 16,
+                                                           "moe_intermediate_size": 32,
+                                                           "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {"num_key_value_heads": 4}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "starcoder2_window8": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 64, "n_layer": 2, "n_head": 4,
+                                               "rotary_dim": 8, "num_key_value_heads": 4}),
 }
 
 
@@ -82,8 +94,10 @@ def test_family_matches_own_generate(family):
 
 
 REFUSED = {
-    "MixtralForCausalLM": ("MixtralConfig", {"num_local_experts": 4},
-                           "not among the families checked"),
+    "GPTNeoForCausalLM": ("GPTNeoConfig", {"num_layers": 2, "num_heads": 4, "window_size": 8,
+                                           "attention_types": [[["global", "local"], 1]]},
+                          "local-attention layers"),
+    "StableLmForCausalLM": ("StableLmConfig", {}, "not among the families checked"),
     "BartForCausalLM": ("BartConfig", {"d_model": 64, "encoder_attention_heads": 4,
                                        "decoder_attention_heads": 4}, "encoder-decoder"),
 }
