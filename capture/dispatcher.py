@@ -77,9 +77,17 @@ class GraphDispatcher:
     def from_policy(cls, policy: BucketPolicy, max_model_len: int,
                     capture_support: CaptureSupport = CaptureSupport.ALWAYS,
                     mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
-                    ) -> GraphDispatcher:
-        """The dispatcher of a BucketPolicy for lengths up to `max_model_len`."""
-        return cls(policy.capture_sizes, LengthBuckets(max_model_len, policy.length_boundaries),
+                    max_num_reqs: int | None = None) -> GraphDispatcher:
+        """The dispatcher of a BucketPolicy for lengths up to `max_model_len`.
+
+        With `max_num_reqs`, capture sizes no batch can pad to are dropped: those above
+        the smallest size >= max_num_reqs.
+        """
+        sizes = policy.capture_sizes
+        if max_num_reqs is not None:
+            top = pad_to_capture_size(max_num_reqs, sizes)
+            sizes = tuple(s for s in sizes if top is None or s <= top)
+        return cls(sizes, LengthBuckets(max_model_len, policy.length_boundaries),
                    policy.decode_query_len, policy.mixed_token_sizes, capture_support, mode,
                    policy.piecewise_token_sizes)
 

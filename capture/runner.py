@@ -233,7 +233,8 @@ class GraphRunner:
         self.static_input_names = tuple(static_input_names)
         if dispatcher is None:
             dispatcher = GraphDispatcher.from_policy(self.policy, state.max_model_len,
-                                                     spec.capture_support, mode)
+                                                     spec.capture_support, mode,
+                                                     state.max_num_reqs)
         self.dispatcher = dispatcher
         ctx = BuilderContext(state.block_size, dispatcher.decode_query_len, state.max_model_len,
                              dispatcher.length_buckets, state.device)

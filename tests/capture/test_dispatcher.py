@@ -1,6 +1,6 @@
 import pytest
 
-from graphattn.buckets import LengthBuckets
+from graphattn.buckets import BucketPolicy, LengthBuckets, default_capture_sizes
 from graphattn.capture.dispatcher import CaptureSupport, GraphDispatcher, GraphKey
 from graphattn.sync import no_host_sync
 
@@ -75,3 +75,14 @@ def test_graph_key_validation():
     assert "decode q=3" in str(GraphKey(2, 6, 16, True))
     with pytest.raises(ValueError, match="decode_query_len = 0"):
         disp(decode_query_len=0)
+
+
+@pytest.mark.parametrize(("max_num_reqs", "top"), [(8, 8), (12, 16), (16, 16), (600, 512)])
+def test_capture_sizes_no_batch_can_reach_are_dropped(max_num_reqs, top):
+    """Default sizes 1, 2, 4, 8, 16, ... 512: a runner of `max_num_reqs` keeps those up to
+    the smallest size a full batch pads to (sizes above it would never replay)."""
+    d = GraphDispatcher.from_policy(BucketPolicy(capture_sizes=default_capture_sizes(512)),
+                                    256, max_num_reqs=max_num_reqs)
+    assert max(d.capture_sizes) == top
+    assert d.capture_sizes == tuple(s for s in default_capture_sizes(512) if s <= top)
+    assert d.dispatch(max_num_reqs, max_num_reqs, 100, True) is not None or max_num_reqs > 512
