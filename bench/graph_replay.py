@@ -170,7 +170,7 @@ def handwritten_rows(model, cfg, sizes, lengths, steps, bw, wbytes, rng,
 
 def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     """The attention op alone on one layer's shape, replayed in a CUDA graph."""
-    from graphattn.backends.ops import has_varlen_paged
+    from graphattn.backends.ops import has_varlen_paged, kv_bounds
 
     bs = 16 if not has_varlen_paged() else 256
     rng = np.random.default_rng(5)
@@ -195,8 +195,8 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 
         def call(kernel=kernel):
             return torch.ops.graphattn.paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5,
-                                                       batch, 1, nblk, nblk * bs, 0, 0.0, None,
-                                                       kernel)
+                                                       batch, 1, kv_bounds(nblk, nblk * bs), 0, 0.0,
+                                                       None, kernel)
 
         try:
             call()

@@ -21,6 +21,7 @@ from graphattn.backends.kernels import (
     token_request_index,
     write_to_cache,
 )
+from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import (
     PagedAttentionBuilder,
     PagedAttentionMetadata,
@@ -146,8 +147,8 @@ class MLAImpl:
             outs.append(torch.ops.graphattn.paged_attention(
                 q[:ndt], kv_cache, values, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
                 meta.block_table[:nd], meta.slot_mapping[:ndt], self.scale, nd,
-                meta.decode_query_len, meta.num_kv_blocks, meta.max_len, 0, 0.0, None,
-                self.kernel))
+                meta.decode_query_len, kv_bounds(meta.num_kv_blocks, meta.max_len), 0, 0.0,
+                None, self.kernel))
         n_pre = 0
         if meta.num_prefills:
             o = self._prefill(q, kv_cache, meta)

@@ -35,8 +35,8 @@ from graphattn.backends.kernels import (
 )
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
-           "gather_paged_attention", "has_triton", "has_varlen_paged", "resolve_kernel",
-           "split_plan"]
+           "gather_paged_attention", "has_triton", "has_varlen_paged", "kv_bounds",
+           "resolve_kernel", "split_plan"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
 
@@ -176,6 +176,11 @@ def gather_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def kv_bounds(num_kv_blocks: int, max_len: int) -> torch.Tensor:
+    """The `kv_bounds` argument of ``torch.ops.graphattn.paged_attention``: int64 CPU [2]."""
+    return torch.tensor([num_kv_blocks, max_len], dtype=torch.int64)
+
+
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, scale: float, uniform_query_len: int,
@@ -257,7 +262,7 @@ def _varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
-                    num_decodes: int, decode_query_len: int, num_kv_blocks: int, max_len: int,
+                    num_decodes: int, decode_query_len: int, kv_bounds: torch.Tensor,
                     window: int, softcap: float, sinks: torch.Tensor | None,
                     kernel: str) -> torch.Tensor:
     """Causal attention of each query token over its row's paged KV (no host reads).
@@ -273,8 +278,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_decodes, decode_query_len : int
         The first `num_decodes` rows have exactly `decode_query_len` tokens
         (all rows of a uniform key); picks the tile shape.
-    num_kv_blocks, max_len : int
-        Upper bounds (key's bucket) of the blocks / positions any row reads.
+    kv_bounds : torch.Tensor
+        int64 CPU [2]: (num_kv_blocks, max_len), upper bounds (the key's bucket) of the
+        blocks / positions any row reads (`kv_bounds`). A CPU tensor rather than ints: read
+        on the host when the op runs (no device sync), its value is not part of what
+        torch.compile guards on, so one compiled forward serves every length bucket of a
+        shape and each captured graph holds the launch of its own bucket.
     window : int
         Sliding window (a query at p sees keys > p - window); 0: none.
     softcap : float
@@ -291,6 +300,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     kind = resolve_kernel(kernel, q.device)
     rows = block_table.shape[0]
+    num_kv_blocks, max_len = kv_bounds.tolist()
     if kind == "triton":
         uniform = decode_query_len if num_decodes == rows and rows else 0
         return _triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -309,7 +319,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      num_decodes, decode_query_len, num_kv_blocks, max_len, window, softcap, sinks, kernel):
+      num_decodes, decode_query_len, kv_bounds, window, softcap, sinks, kernel):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 

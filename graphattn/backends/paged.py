@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -10,7 +10,7 @@ import torch
 
 from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
 from graphattn.backends.kernels import block_count
-from graphattn.backends.ops import KERNELS
+from graphattn.backends.ops import KERNELS, kv_bounds
 from graphattn.backends.registry import BackendMetadata, PadValue
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -98,13 +98,18 @@ class PagedPlan:
 @dataclass(slots=True)
 class PagedAttentionMetadata(PagedTensors):
     """Plan (CPU ints, the fields of `PagedPlan`) and device tensors (see `PagedTensors`)
-    of paged attention."""
+    of paged attention; `kv_bounds` holds (num_kv_blocks, max_len) as the op takes them
+    (int64 CPU [2], see ``torch.ops.graphattn.paged_attention``)."""
 
     num_decodes: int
     num_decode_tokens: int
     decode_query_len: int
     max_len: int
     num_kv_blocks: int
+    kv_bounds: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kv_bounds = kv_bounds(self.num_kv_blocks, self.max_len)
 
 
 class PagedAttentionBuilder:
@@ -224,5 +229,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention over what the cache holds (``torch.ops.graphattn.paged_attention`` of `meta`)."""
     return torch.ops.graphattn.paged_attention(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-        meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.num_kv_blocks,
-        meta.max_len, window, softcap, sinks, kernel)
+        meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.kv_bounds,
+        window, softcap, sinks, kernel)

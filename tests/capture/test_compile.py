@@ -107,7 +107,9 @@ def test_compiled_forward_writing_kv_in_place_is_captured(device):
 
 def test_runner_compile_writes_caches_in_place_with_no_recompile():
     """GraphRunner(compile=True): inductor code calls the write_kv custom op on the cache
-    buffers themselves (no copy of any cache), and steady-state steps never recompile."""
+    buffers themselves (no copy of any cache), one compile serves both length buckets of
+    the batch shape (the bounds reach the op as a CPU tensor), and steady-state steps never
+    recompile."""
     import numpy as np
     from torch._inductor.utils import run_and_get_code
 
@@ -124,9 +126,9 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile():
     runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2,),
                                                         length_boundaries=(16,)), compile=True)
     report, codes = run_and_get_code(runner.capture, progress=False)
-    assert report.num_graphs == 2 and runner.compiler.num_compiles == 2
+    assert report.num_graphs == 2 and runner.compiler.num_compiles == 1
     code = "\n".join(codes)
-    assert code.count("torch.ops.graphattn.write_kv.default(") == 2 * 2  # 2 layers x 2 keys
+    assert code.count("torch.ops.graphattn.write_kv.default(") == 2  # 2 layers, one compile
     assert "index_copy" not in code and ".copy_(" not in code  # no cache is copied
     seq = {runner.add_request("a", [3, 1, 4]): [3, 1, 4], runner.add_request("b", [5, 9]): [5, 9]}
     slots = np.array(sorted(seq), np.int32)
@@ -138,4 +140,4 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile():
             torch.testing.assert_close(out.logits[j], ref, rtol=1e-4, atol=1e-4)
             seq[s].append(int(out.sampled[j]))
         sched = SchedulerOutput(slots, np.ones(2, np.int32))
-    assert runner.compiler.num_compiles == 2
+    assert runner.compiler.num_compiles == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphattn.backends.kernels import allocate_kv_cache
-from graphattn.backends.ops import resolve_kernel, split_plan
+from graphattn.backends.ops import kv_bounds, resolve_kernel, split_plan
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.sync import no_host_sync
 from graphattn.workload import WorkloadConfig
@@ -112,13 +112,14 @@ def test_triton_write_kv_and_graph_replay_reads_device_lengths():
     def step():
         torch.ops.graphattn.write_kv(k, v, kc, vc, slots, "triton")
         return torch.ops.graphattn.paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5,
-                                                   rows, 1, nblk, nblk * bs, 0, 0.0, None,
-                                                   "triton")
+                                                   rows, 1, kv_bounds(nblk, nblk * bs), 0, 0.0,
+                                                   None, "triton")
 
     def reference():
         out = torch.ops.graphattn.paged_attention(q.double(), kc.double(), vc.double(), qsl, seq,
-                                                  bt, slots, d ** -0.5, rows, 1, nblk, nblk * bs,
-                                                  0, 0.0, None, "torch")
+                                                  bt, slots, d ** -0.5, rows, 1,
+                                                  kv_bounds(nblk, nblk * bs), 0, 0.0, None,
+                                                  "torch")
         return out.float()
 
     before = kc.clone()
@@ -154,8 +155,8 @@ def test_custom_ops_agree_with_their_fake_implementations(device, rows, qd):
     seq = torch.tensor([9, 20, 31][:rows], dtype=torch.int32, device=device)
     bt = torch.randperm(rows * nblk, generator=g).int().view(rows, nblk).to(device)
     slots = torch.full((t,), -1, dtype=torch.int64, device=device)
-    args = (q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, qd, nblk, nblk * bs, 0, 0.0, None,
-            "auto")
+    args = (q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, qd, kv_bounds(nblk, nblk * bs), 0,
+            0.0, None, "auto")
     torch.library.opcheck(torch.ops.graphattn.paged_attention.default, args)
     out = torch.ops.graphattn.paged_attention(*args)
     assert out.is_contiguous()  # inductor asserts the fake's strides on the real output
