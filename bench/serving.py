@@ -156,10 +156,13 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--spec", type=int, default=3, help="drafts per step in the spec rows")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                    help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = getattr(torch, args.dtype)
     model = TinyDecoder(MODELS[args.model]).to(args.device, dtype)
     work = _workload(args.requests, model.cfg.vocab_size)
     rows = []
@@ -179,7 +182,7 @@ def main() -> None:
         print(json.dumps(r))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, f"serving_{args.device}.json").write_text(
+        Path(args.out, f"serving_{args.device}_{args.dtype}.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

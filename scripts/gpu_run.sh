@@ -24,7 +24,8 @@ rc=0
 for part in "$@"; do
   case $part in
     tests)
-      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -m cuda -p no:cacheprovider -rfEs \
+      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -m cuda ${TEST_K:+-k "$TEST_K"} \
+        -p no:cacheprovider -rfEs \
         --durations=10 2>&1 | tee "$OUT/cuda_tests.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     replay-*)
@@ -42,7 +43,9 @@ for part in "$@"; do
       python3 scripts/tune_attention.py --out "$OUT" 2>&1 | tee "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     serving)
-      python3 -m bench.serving --device cuda --out "$OUT" 2>&1 | tee "$OUT/serving.txt"
+      python3 -m bench.serving --device cuda --dtype "${SERVING_DTYPE:-bfloat16}" \
+        --requests "${SERVING_REQUESTS:-64}" --out "$OUT" 2>&1 \
+        | tee -a "$OUT/serving.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     suite)
       python3 -m bench --out "$OUT" ${SUITE_ONLY:+--only "$SUITE_ONLY"} 2>&1 | tee "$OUT/bench_log.txt"
@@ -55,6 +58,9 @@ for part in "$@"; do
       done ;;
     warm)
       python3 -m bench.warm_start --device cuda --out "$OUT" 2>&1 | tee "$OUT/warm_start.txt"
+      rc=$((rc | PIPESTATUS[0]))
+      python3 -m bench.warm_start --device cuda --compile-threads 1 --out "$OUT" 2>&1 \
+        | tee -a "$OUT/warm_start.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac

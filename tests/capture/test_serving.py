@@ -35,7 +35,7 @@ def generate(runner, st, params, steps, force_eager=False):
         out.append(o.sampled_host.wait())
         logprobs.append(o.logprobs.clone())
         assert o.sampled_host.wait().dtype == np.int64
-        assert torch.equal(torch.from_numpy(o.sampled_host.wait()), o.sampled)
+        assert torch.equal(torch.from_numpy(o.sampled_host.wait()), o.sampled.cpu())
     return np.stack(out), torch.stack(logprobs)
 
 
