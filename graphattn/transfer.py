@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -55,50 +57,58 @@ def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> t
 
 
 class StagingRing:
-    """Reused pinned staging buffers, each guarded by the event of the copy that read it.
+    """A fixed ring of pinned staging buffers, each guarded by the event of the copy that
+    read it.
 
-    `take` returns a zeroed buffer whose previous host-to-device copy has finished
-    (checked with a non-blocking event query; a new pinned buffer when none is free),
-    `release` hands it back after its copy was enqueued. Off CUDA `take` is
-    `staging_buffer` and `release` does nothing.
+    `take` returns a zeroed buffer whose previous host-to-device copy has finished: a free
+    one when an event query says so, a new one while fewer than `depth` exist for that
+    (size, dtype), else the oldest one after waiting on its event (back-pressure: the host
+    is then `depth` steps ahead of the GPU, and never allocates pinned memory in the
+    steady state). `release` hands a buffer back after its copy was enqueued. Off CUDA
+    `take` is `staging_buffer` and `release` does nothing.
 
     Parameters
     ----------
     device : torch.device or str
-    max_per_size : int
-        Free buffers kept per (size, dtype).
+    depth : int
+        Buffers per (size, dtype).
     """
 
-    def __init__(self, device: torch.device | str, max_per_size: int = 8) -> None:
+    def __init__(self, device: torch.device | str, depth: int = 8) -> None:
         self.cuda = torch.device(device).type == "cuda"
-        self.max_per_size = max_per_size
-        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self.depth = depth
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
+        self._count: dict[tuple[int, torch.dtype], int] = {}
         self.num_allocated = 0
 
     def take(self, size: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed 1-D CPU buffer of `size` elements (pinned on CUDA)."""
         if not self.cuda:
             return staging_buffer(size, dtype, "cpu")
-        pool = self._free.setdefault((size, dtype), [])
+        key = (size, dtype)
+        pool = self._free.setdefault(key, [])  # oldest release first
         for i, (buf, event) in enumerate(pool):
             if event.query():
                 del pool[i]
                 return buf.zero_()
-        self.num_allocated += 1
-        return self._alloc(size, dtype)
+        if self._count.get(key, 0) < self.depth or not pool:
+            self._count[key] = self._count.get(key, 0) + 1
+            self.num_allocated += 1
+            return self._alloc(size, dtype)
+        buf, event = pool.pop(0)
+        event.synchronize()  # the host is `depth` steps ahead: wait for the oldest copy
+        return buf.zero_()
 
     def _alloc(self, size: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(size, dtype=dtype, pin_memory=True)
 
-    def _event(self) -> torch.cuda.Event:
+    def _event(self) -> Any:
         return torch.cuda.Event()
 
     def release(self, buf: torch.Tensor) -> None:
         """Give `buf` back once the copies reading it are enqueued on the current stream."""
         if not self.cuda:
             return
-        pool = self._free.setdefault((buf.shape[0], buf.dtype), [])
-        if len(pool) < self.max_per_size:
-            event = self._event()
-            event.record()
-            pool.append((buf, event))
+        event = self._event()
+        event.record()
+        self._free.setdefault((buf.shape[0], buf.dtype), []).append((buf, event))

@@ -5,6 +5,7 @@ from graphattn.transfer import StagingRing
 
 class FakeEvent:
     done = False
+    waited = 0
 
     def record(self):
         pass
@@ -12,9 +13,13 @@ class FakeEvent:
     def query(self):
         return FakeEvent.done
 
+    def synchronize(self):
+        FakeEvent.waited += 1
+        FakeEvent.done = True
+
 
 def test_staging_ring_reuses_a_buffer_only_after_its_copy_finished():
-    ring = StagingRing("cpu", max_per_size=2)
+    ring = StagingRing("cpu", depth=2)
     assert not ring.cuda and ring.take(4, torch.int32).tolist() == [0, 0, 0, 0]
     ring.cuda = True  # the CUDA bookkeeping, with host buffers and a fake event
     ring._alloc = lambda size, dtype: torch.zeros(size, dtype=dtype)
@@ -28,6 +33,8 @@ def test_staging_ring_reuses_a_buffer_only_after_its_copy_finished():
     FakeEvent.done = True
     c = ring.take(4, torch.int32)  # now a is free again, zeroed
     assert c is a and c.tolist() == [0, 0, 0, 0]
-    for buf in (b, c, ring.take(4, torch.int32)):
-        ring.release(buf)
-    assert len(ring._free[(4, torch.int32)]) == 2  # capped per size
+    ring.release(b)
+    ring.release(c)
+    FakeEvent.done = False  # both copies in flight and the ring is full: wait on the oldest
+    d = ring.take(4, torch.int32)
+    assert d is b and FakeEvent.waited == 1 and ring.num_allocated == 2
