@@ -191,11 +191,13 @@ class GraphRunner:
         Picks the key of each step (default: one made from `policy` and the
         backend's capture support).
     compile : bool
-        Compile `forward` with inductor once per key (`BucketCompiler`,
-        fullgraph; attention and the KV write stay opaque custom ops, so the
-        caches are written in place) and capture the compiled code. Steps with
-        no key run the uncompiled forward. After a full `capture()` any
-        further compile raises RecompileError.
+        Compile the device step with inductor (`BucketCompiler`, fullgraph), in two
+        parts around the builder: prepare's device half, then the forward with
+        sampling / verification, write-back and the truth's advance. Attention and
+        the KV write stay opaque custom ops, so the caches are written in place; one
+        compile per batch shape serves every length bucket. Steps with no key run
+        uncompiled. After a full `capture()` any further compile raises
+        RecompileError.
     vocab_size : int, optional
         Prompt token ids are checked against it at admission (default: the
         model's ``cfg.vocab_size`` or ``config.vocab_size`` when it has one).
@@ -225,7 +227,7 @@ class GraphRunner:
                              f"{STATIC_INPUTS}")
         spec = get_backend(backend)
         self.forward = forward
-        # compile: the device step around the builder, in two compiled parts per key
+        # compile: the device step around the builder, two compiled parts per batch shape
         self.compiler = BucketCompiler(self._run_compiled) if compile else None
         self._assembler = BucketCompiler(assemble_tensors) if compile else None
         self.state = state

@@ -300,6 +300,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     kind = resolve_kernel(kernel, q.device)
     rows = block_table.shape[0]
+    if kv_bounds.device.type != "cpu" or tuple(kv_bounds.shape) != (2,):
+        raise ValueError(f"kv_bounds must be an int64 CPU tensor of shape (2,) (reading it must "
+                         f"not sync), got shape {tuple(kv_bounds.shape)} on {kv_bounds.device}")
     num_kv_blocks, max_len = kv_bounds.tolist()
     if kind == "triton":
         uniform = decode_query_len if num_decodes == rows and rows else 0

@@ -163,3 +163,16 @@ def test_custom_ops_agree_with_their_fake_implementations(device, rows, qd):
     k, v = torch.randn(t, hkv, d, generator=g).to(device), torch.randn(t, hkv, d).to(device)
     slots[: rows * qd] = torch.arange(rows * qd, device=device)
     torch.library.opcheck(torch.ops.graphattn.write_kv.default, (k, v, kc, vc, slots, "auto"))
+
+
+def test_kv_bounds_must_live_on_the_host():
+    q = torch.zeros(1, 2, 8)
+    kc = torch.zeros(2, 4, 1, 8)
+    args = (q, kc, kc, torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1.0, 1, 1)
+    bad = torch.tensor([1, 4, 0])  # a device tensor is refused by the same check
+    with pytest.raises(ValueError, match=r"kv_bounds must be an int64 CPU tensor of shape "
+                                         r"\(2,\) .* got shape \(3,\) on cpu"):
+        torch.ops.graphattn.paged_attention(*args, bad, 0, 0.0, None, "torch")
+    out = torch.ops.graphattn.paged_attention(*args, kv_bounds(1, 4), 0, 0.0, None, "torch")
+    assert out.shape == (1, 2, 8)
