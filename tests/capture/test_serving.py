@@ -66,10 +66,11 @@ def test_greedy_runner_refuses_sampling_params():
     assert out.logprobs is None and out.sampled_host.wait().tolist() == out.sampled.tolist()
 
 
-def spec_runner(q, compile=False):
-    torch.manual_seed(0)
-    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).double()
-    st = RequestState(2, 96, 8)
+def spec_runner(q, compile=False, device="cpu"):
+    torch.manual_seed(0)  # float64 on CPU; float32 on CUDA (the Triton kernel's fp32 path)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(
+        device, torch.float64 if device == "cpu" else torch.float32)
+    st = RequestState(2, 96, 8, device)
     model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(model, st, policy=BucketPolicy(
         capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
@@ -78,8 +79,8 @@ def spec_runner(q, compile=False):
     return st, runner
 
 
-def plain_greedy(prompt, n):
-    st, runner = spec_runner(1)
+def plain_greedy(prompt, n, device="cpu"):
+    st, runner = spec_runner(1, device=device)
     a = runner.add_request("a", prompt)
     out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
     seq = [int(out.sampled[0])]
@@ -89,13 +90,16 @@ def plain_greedy(prompt, n):
     return seq
 
 
-@pytest.mark.parametrize(("drafts_from", "compile"),
-                         [("target", False), ("noise", False), ("noise", True)])
-def test_spec_decode_through_the_runner_matches_plain_decoding(drafts_from, compile):
+@pytest.mark.parametrize(("drafts_from", "compile", "device"),
+                         [("target", False, "cpu"), ("noise", False, "cpu"),
+                          ("noise", True, "cpu"),
+                          pytest.param("target", False, "cuda", marks=pytest.mark.cuda),
+                          pytest.param("noise", True, "cuda", marks=pytest.mark.cuda)])
+def test_spec_decode_through_the_runner_matches_plain_decoding(drafts_from, compile, device):
     """Verification runs inside the graph (compiled with the forward when compile=True)."""
     prompt, k, n = [5, 3, 9, 1, 7], 3, 24
-    want = plain_greedy(prompt, n + k + 1)
-    st, runner = spec_runner(k + 1, compile)
+    want = plain_greedy(prompt, n + k + 1, device)
+    st, runner = spec_runner(k + 1, compile, device)
     a = runner.add_request("a", prompt)
     out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
     got = [int(out.sampled[0])]
