@@ -100,7 +100,7 @@ class StagingRing:
         return buf.zero_()
 
     def _alloc(self, size: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(size, dtype=dtype, pin_memory=True)
+        return staging_buffer(size, dtype, "cuda")
 
     def _event(self) -> Any:
         return torch.cuda.Event()
