@@ -11,9 +11,10 @@ Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 
 Each row: `us_step` (median of CUDA-event step times, with p25/p75), `floor_us`
 ((weight bytes + live KV bytes) / the HBM bandwidth of a device copy measured in the same
-run), `x_floor`, `host_us` (median host time of a step call), `kernels` (nodes of the
-step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per model times the attention
-op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its time).
+run), `x_floor`, `host_us` (median host time of a step call; the loop reads each step's
+tokens one step late, as a serving loop does, so no call waits on the token ring),
+`kernels` (nodes of the step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per
+model times the attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its time).
 """
 
 from __future__ import annotations
@@ -113,11 +114,15 @@ def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengt
             sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))
             keys: list = []
             host: list[float] = []
+            late: list = []
 
-            def step(sched=sched, keys=keys, host=host):
+            def step(sched=sched, keys=keys, host=host, late=late):
                 out = runner.step(sched)
                 keys.append(out.key if out.replayed else None)
                 host.append(out.host_seconds)
+                if late:  # tokens read one step late, as a serving loop does
+                    late.pop().wait()
+                late.append(out.sampled_host)
 
             set_lengths(st, lens)
             times = event_times(step, steps)

@@ -7,7 +7,8 @@
 #   tune           scripts/tune_attention.py (launch configs of the Triton kernel)
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
-#   profile        scripts/kernel_profile.py, tiny 1/512 and 128/2048 (own processes)
+#   profile        scripts/kernel_profile.py, tiny 1/512 and 128/2048 (own processes;
+#                  PROFILE_SHAPES="B:L ..."), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
@@ -51,10 +52,12 @@ for part in "$@"; do
       python3 -m bench --out "$OUT" ${SUITE_ONLY:+--only "$SUITE_ONLY"} 2>&1 | tee "$OUT/bench_log.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     profile)
-      for bl in 1:512 128:2048; do
-        python3 scripts/kernel_profile.py --batch "${bl%:*}" --length "${bl#*:}" --out "$OUT" 2>&1 \
+      for bl in ${PROFILE_SHAPES:-1:512 128:2048}; do
+        TORCH_LOGS=output_code python3 scripts/kernel_profile.py --batch "${bl%:*}" \
+          --length "${bl#*:}" --out "$OUT" 2> "$OUT/output_code_${bl/:/_}.txt" \
           | tee -a "$OUT/kernel_profile.txt"
         rc=$((rc | PIPESTATUS[0]))
+        tail -5 "$OUT/output_code_${bl/:/_}.txt"
       done ;;
     warm)
       python3 -m bench.warm_start --device cuda --out "$OUT" 2>&1 | tee "$OUT/warm_start.txt"
