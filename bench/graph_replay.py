@@ -9,12 +9,13 @@ Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
 `replay_floor` (our graphs replayed back to back with no host work).
 
-Each row: `us_step` (median of CUDA-event step times, with p25/p75), `floor_us`
-((weight bytes + live KV bytes) / the HBM bandwidth of a device copy measured in the same
-run), `x_floor`, `host_us` (median host time of a step call; the loop reads each step's
-tokens one step late, as a serving loop does, so no call waits on the token ring),
-`kernels` (nodes of the step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per
-model times the attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its time).
+Each row: `us_step` (median of CUDA-event step times, with p25/p75), `floor_us` ((weight
+bytes + live KV bytes) / the HBM bandwidth of a device copy measured in the same run),
+`x_floor`, `host_us` (median host time of a step call; the loop reads each step's tokens one
+step late, as a serving loop does, so no call waits on the token ring), `kernels` (nodes of
+the step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per model times the
+attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV
+bytes over its time).
 """
 
 from __future__ import annotations

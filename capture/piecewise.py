@@ -2,12 +2,12 @@
 captured per padded token count; attention runs eagerly between the pieces with the live
 metadata.
 
-`PiecewiseCompiler` is a torch.compile backend (dynamic shapes, fullgraph): it splits the
-FX graph at ``torch.ops.graphattn.write_kv`` / ``paged_attention`` (consecutive ones form
-one attention piece), so a model with L attention layers gives L + 1 pieces around L
-attention pieces. Each piece is compiled with inductor on the fake inputs it sees (the
-default on CUDA; FX submodules elsewhere). On CUDA each piece is captured into the shared
-pool once per padded token count (`tokens` set by the runner for the step), its live
+`PiecewiseCompiler` is a torch.compile backend (dynamic shapes, fullgraph): it splits the FX
+graph at ``torch.ops.graphattn.write_kv`` / ``rope_write_kv`` / ``paged_attention``
+(consecutive ones form one attention piece), so a model with L attention layers gives L + 1
+pieces around L attention pieces. Each piece is compiled with inductor on the fake inputs it
+sees (the default on CUDA; FX submodules elsewhere). On CUDA each piece is captured into the
+shared pool once per padded token count (`tokens` set by the runner for the step), its live
 activations copied into the captured static inputs before each replay (weights stay by
 reference).
 """
@@ -27,9 +27,11 @@ from graphattn.sync import opaque_region
 
 __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
 
-SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv")
+SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv",
+                 "graphattn::rope_write_kv")
 _SPLIT_TARGETS = frozenset(
-    t for op in (torch.ops.graphattn.paged_attention, torch.ops.graphattn.write_kv)
+    t for op in (torch.ops.graphattn.paged_attention, torch.ops.graphattn.write_kv,
+                 torch.ops.graphattn.rope_write_kv)
     for t in (op, op.default))
 
 

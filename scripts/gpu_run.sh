@@ -14,7 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1 \
   || { cat "$OUT/install.txt"; exit 1; }

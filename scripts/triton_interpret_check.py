@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=1 python scripts/triton_interpret_check.py
 
-Compares `_triton_attention` and `write_kv_kernel` with the plain-torch reference on random
+Compares `_triton_attention`, `write_kv_kernel` and `rope_write_kv_kernel` with the plain-torch reference on random
 paged batches (mixed, uniform decode with split-KV, spec-decode rows, window/softcap/sinks).
 A development aid before spending GPU time; the GPU tests are the real check. (Triton
 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses: use an older
@@ -44,6 +44,7 @@ def case(rows, qlens, ctx, h, hkv, d, bs, window=0, softcap=0.0, sinks=False, un
                                      torch.zeros(t, dtype=torch.int64), d ** -0.5, nd,
                                      uniform or 1, nblk, window, softcap,
                                      None if sk is None else sk.double())
+    torch.full((t * h * d,), float("nan"), dtype=dtype)  # the output is never pre-filled
     out = ops._triton_attention(q, kc, vc, qsl, sl, perm, d ** -0.5, uniform, max_len, window,
                                 softcap, sk)
     err = (out.double()[:t_real] - ref[:t_real]).abs().max().item()
@@ -76,3 +77,31 @@ flat = kc.view(-1, 2, 16)
 ok = slots >= 0
 assert torch.equal(flat[slots[ok]], k[ok]) and (flat != 0).sum() == (k[ok] != 0).sum()
 print("write_kv ok")
+
+# rope + write kernel against the plain-torch path of the same op
+from graphattn.backends.rope import inv_frequencies  # noqa: E402
+from graphattn.backends.triton_kernels import rope_write_kv_kernel  # noqa: E402
+
+for h, hkv, d in [(4, 2, 16), (6, 2, 24)]:
+    t = 5
+    qkv = torch.randn(t, (h + 2 * hkv) * d)
+    pos = torch.tensor([0, 7, 130, 2047, 3])
+    inv = inv_frequencies(d, 10000.0)
+    slots = torch.tensor([3, -1, 17, 0, 30])
+    caches = [torch.zeros(9, 4, hkv, d) for _ in range(4)]
+    q_ref = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, caches[0], caches[1], slots, h,
+                                              hkv, "torch")
+    q = torch.empty(t, h, d)
+    rope_write_kv_kernel[(t,)](qkv, pos, inv, q, caches[2], caches[3], slots, qkv.stride(0),
+                               q.stride(0), caches[2].stride(1), caches[3].stride(1), H=h,
+                               HKV=hkv, D=d, H_PAD=ops._pow2(h), HKV_PAD=ops._pow2(hkv),
+                               HALF_PAD=max(2, ops._pow2(d // 2)), D_PAD=max(2, ops._pow2(d)))
+    ok = slots >= 0
+    for got, ref in ((q, q_ref), (caches[2].view(-1, hkv, d)[slots[ok]],
+                                  caches[0].view(-1, hkv, d)[slots[ok]]),
+                     (caches[3].view(-1, hkv, d)[slots[ok]],
+                      caches[1].view(-1, hkv, d)[slots[ok]])):
+        err = (got - ref).abs().max().item()
+        assert err < 1e-5, err
+    assert caches[2][:-1].count_nonzero() == caches[0][:-1].count_nonzero()  # -1: no write
+    print(f"rope_write_kv h={h}/{hkv} d={d} ok")

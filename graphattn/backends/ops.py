@@ -1,10 +1,11 @@
 """Attention and the KV-cache write as registered custom ops (torch.library).
 
-``torch.ops.graphattn.paged_attention`` and ``torch.ops.graphattn.write_kv``
-are opaque to torch.compile (fake implementations give the shapes), so a
-compiled forward keeps them as single calls: the caches are mutated in place
-by `write_kv` (declared in ``mutates_args``) and never copied. The piecewise
-mode splits compiled graphs at these ops.
+``torch.ops.graphattn.paged_attention``, ``torch.ops.graphattn.write_kv`` and
+``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write) are
+opaque to torch.compile (fake implementations give the shapes), so a compiled forward
+keeps them as single calls: the caches are mutated in place by `write_kv` /
+`rope_write_kv` (declared in ``mutates_args``) and never copied. The piecewise mode
+splits compiled graphs at the attention op.
 
 Kernels, chosen per call from the device and the `kernel` argument (CPU
 strings only):
@@ -33,10 +34,11 @@ from graphattn.backends.kernels import (
     token_request_index,
     write_to_cache,
 )
+from graphattn.backends.rope import apply_rope, rope_cos_sin
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
            "gather_paged_attention", "has_triton", "has_varlen_paged", "kv_bounds",
-           "resolve_kernel", "split_plan"]
+           "resolve_kernel", "rope_write_kv", "split_plan"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
 
@@ -213,18 +215,17 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0,
                   USE_WINDOW=window > 0, USE_SINKS=use_sinks, WRITE_LSE=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits == 1:  # padded tokens belong to no tile: their zeros come from here
-        out = q.new_zeros(t, h, dv)
+    out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
+    if num_splits == 1:
         part, part_lse = out, out
-    else:  # the merge writes every token (0 for padded ones): no fill launched
-        out = q.new_empty(t, h, dv)
+    else:
         part = torch.empty(t * h * num_splits, common["DV_PAD"], dtype=torch.float32,
                            device=q.device)
         part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
     sink_arg = sinks if use_sinks else out
     unified_attention_kernel[(num_tiles, hkv, num_splits)](
         out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        sink_arg, scale, softcap if softcap > 0 else 1.0, window, split_len, rows, h,
+        sink_arg, scale, softcap if softcap > 0 else 1.0, window, split_len, rows, h, t,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), **common)
@@ -365,3 +366,67 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @write_kv.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping, kernel):
     return None
+
+
+@torch.library.custom_op("graphattn::rope_write_kv", mutates_args=("k_cache", "v_cache"))
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, kernel: str) -> torch.Tensor:
+    """Rotary embedding of q and k from a fused qkv projection, K/V written to the caches.
+
+    One launch on CUDA (Triton) instead of a rotation, a q copy, a k/v copy and the write.
+
+    Parameters
+    ----------
+    qkv : [T, (H + 2 Hkv) * D]
+        q heads, then k heads, then v heads, per token.
+    positions : int64 [T]
+    inv_freq : float32 [D / 2]
+        Rotary frequencies (`graphattn.backends.rope.inv_frequencies`); the angle of
+        token t is positions[t] * inv_freq in float32, rotating NeoX halves.
+    k_cache, v_cache : [num_blocks (+ sink), block_size, Hkv, D], written in place
+    slot_mapping : int64 [>= T]; -1 (padded token): the sink (torch) or no write (triton)
+    num_heads, num_kv_heads : int
+    kernel : str
+        "triton" on CUDA runs the fused kernel; otherwise the plain-torch rope and
+        index_copy_.
+
+    Returns
+    -------
+    torch.Tensor
+        [T, H, D] rotated queries, contiguous, in qkv's dtype.
+    """
+    t = qkv.shape[0]
+    d = 2 * inv_freq.shape[0]
+    expect = (num_heads + 2 * num_kv_heads) * d
+    if qkv.dim() != 2 or qkv.shape[1] != expect:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}, expected ({t}, {expect}) for "
+                         f"{num_heads} heads, {num_kv_heads} KV heads, head_dim {d}")
+    if resolve_kernel(kernel, qkv.device) != "triton":
+        qk = apply_rope(qkv[:, : (num_heads + num_kv_heads) * d].view(t, -1, d),
+                        *rope_cos_sin(positions, d, 0.0, inv_freq))
+        write_to_cache(k_cache, slot_mapping, qk[:, num_heads:])
+        write_to_cache(v_cache, slot_mapping, qkv[:, (num_heads + num_kv_heads) * d:]
+                       .view(t, num_kv_heads, d))
+        return qk[:, :num_heads].contiguous()
+    from graphattn.backends.triton_kernels import rope_write_kv_kernel
+
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_write_kv with kernel 'triton' needs contiguous caches")
+    q = qkv.new_empty(t, num_heads, d)
+    if t == 0:
+        return q
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    rope_write_kv_kernel[(t,)](
+        qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0),
+        k_cache.stride(1), v_cache.stride(1), H=num_heads, HKV=num_kv_heads, D=d,
+        H_PAD=_pow2(num_heads), HKV_PAD=_pow2(num_kv_heads), HALF_PAD=max(2, _pow2(d // 2)),
+        D_PAD=max(2, _pow2(d)), num_warps=4)
+    return q
+
+
+@rope_write_kv.register_fake
+def _(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+      kernel):
+    return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])

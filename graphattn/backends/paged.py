@@ -221,6 +221,33 @@ class PagedAttentionImpl:
         return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
                                self.sinks, self.kernel)
 
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: PagedAttentionMetadata) -> torch.Tensor:
+        """Attention output from a fused qkv projection, rotary embedding applied here.
+
+        ``torch.ops.graphattn.rope_write_kv`` rotates q and k (NeoX halves) and writes
+        K/V in one launch, then the attention op runs: two launches per layer on CUDA.
+
+        Parameters
+        ----------
+        qkv : [T, (H + 2 Hkv) * D]
+        positions : int64 [T]
+        inv_freq : float32 [D / 2] (`graphattn.backends.rope.inv_frequencies`)
+        kv_cache : (k_cache, v_cache)
+
+        Returns
+        -------
+        torch.Tensor
+            [T, H, D]; padded tokens give 0.
+        """
+        k_cache, v_cache = kv_cache
+        q = torch.ops.graphattn.rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache,
+                                              meta.slot_mapping, self.num_heads,
+                                              self.num_kv_heads, self.kernel)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
+                               self.sinks, self.kernel)
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float, window: int = 0,

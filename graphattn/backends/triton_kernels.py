@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["merge_splits_kernel", "unified_attention_kernel", "write_kv_kernel"]
+__all__ = ["merge_splits_kernel", "rope_write_kv_kernel", "unified_attention_kernel",
+           "write_kv_kernel"]
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
     scale, softcap, window, split_len,
-    num_rows, num_heads,
+    num_rows, num_heads, num_tokens,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -56,6 +57,19 @@ def unified_attention_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_ok = offs_dv < HEAD_DIM_V
+    if NUM_SPLITS == 1:
+        # tokens past the last row's belong to no tile; tile i zeroes those in its own range
+        # [i * BLOCK_Q, (i + 1) * BLOCK_Q) (the tiles' ranges cover every token), so the
+        # output needs no fill first
+        zt = tile * BLOCK_Q + offs_m // G
+        zm = ((offs_m < BLOCK_Q * G) & (zt >= tl.load(query_start_loc + num_rows))
+              & (zt < num_tokens))
+        tl.store(out + zt[:, None] * stride_ot + (kvh * G + offs_m % G)[:, None] * stride_oh
+                 + offs_dv[None, :], tl.zeros([BLOCK_M, DV_PAD], out.dtype.element_ty),
+                 mask=zm[:, None] & dv_ok[None, :])
     row = _find_row(query_start_loc, num_rows, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc + row)
     q_len = tl.load(query_start_loc + row + 1) - q_start
@@ -65,15 +79,12 @@ def unified_attention_kernel(
     seq_len = tl.load(seq_lens + row)
     ctx = seq_len - q_len
 
-    offs_m = tl.arange(0, BLOCK_M)
     t = local * BLOCK_Q + offs_m // G  # query token of the row
     g = offs_m % G
     head = kvh * G + g
     m_ok = (offs_m < BLOCK_Q * G) & (t < q_len)
     offs_d = tl.arange(0, D_PAD)
-    offs_dv = tl.arange(0, DV_PAD)
     d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
     tok = q_start + t
     qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                  mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -207,3 +218,46 @@ def write_kv_kernel(
         ok = offs < ROW_V
         x = tl.load(v + t * stride_vt + offs, mask=ok)
         tl.store(v_cache + slot * stride_vcs + offs, x.to(v_cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rope_write_kv_kernel(
+    qkv, positions, inv_freq, q_out, k_cache, v_cache, slot_mapping,
+    stride_qkv, stride_qo, stride_kcs, stride_vcs,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    H_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """Token t of qkv [T, (H + 2 HKV) * D]: q rotated into q_out, k rotated and v written to
+    slot ``slot_mapping[t]`` of the caches (slot < 0: not written). Rotation: NeoX halves,
+    angle = position * inv_freq in float32."""
+    t = tl.program_id(0)
+    half: tl.constexpr = D // 2
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < half
+    ang = tl.load(positions + t).to(tl.float32) * tl.load(inv_freq + i, mask=i_ok, other=0.0)
+    c = tl.cos(ang)[None, :]
+    s = tl.sin(ang)[None, :]
+    row = qkv + t * stride_qkv
+    h = tl.arange(0, H_PAD)
+    m = (h < H)[:, None] & i_ok[None, :]
+    src = row + h[:, None] * D + i[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=m, other=0.0).to(tl.float32)
+    dst = q_out + t * stride_qo + h[:, None] * D + i[None, :]
+    tl.store(dst, (x1 * c - x2 * s).to(q_out.dtype.element_ty), mask=m)
+    tl.store(dst + half, (x2 * c + x1 * s).to(q_out.dtype.element_ty), mask=m)
+    slot = tl.load(slot_mapping + t)
+    if slot >= 0:
+        kh = tl.arange(0, HKV_PAD)
+        km = (kh < HKV)[:, None] & i_ok[None, :]
+        src = row + H * D + kh[:, None] * D + i[None, :]
+        k1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
+        k2 = tl.load(src + half, mask=km, other=0.0).to(tl.float32)
+        dst = k_cache + slot * stride_kcs + kh[:, None] * D + i[None, :]
+        tl.store(dst, (k1 * c - k2 * s).to(k_cache.dtype.element_ty), mask=km)
+        tl.store(dst + half, (k2 * c + k1 * s).to(k_cache.dtype.element_ty), mask=km)
+        dd = tl.arange(0, D_PAD)
+        vm = (kh < HKV)[:, None] & (dd < D)[None, :]
+        x = tl.load(row + (H + HKV) * D + kh[:, None] * D + dd[None, :], mask=vm)
+        tl.store(v_cache + slot * stride_vcs + kh[:, None] * D + dd[None, :],
+                 x.to(v_cache.dtype.element_ty), mask=vm)

@@ -10,6 +10,7 @@ from torch import nn
 
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
+from graphattn.backends.rope import apply_rope, inv_frequencies, rope, rope_cos_sin
 
 __all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]
 
@@ -56,27 +57,6 @@ class TinyConfig:
         return self.intermediate_size // self.tp_size
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int,
-                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [T, 1, head_dim / 2] cos and sin of the rotary angles at `positions` [T]."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                        dtype=torch.float32) / head_dim))
-    ang = positions.float()[:, None] * inv[None]
-    return ang.cos()[:, None], ang.sin()[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of x [T, heads, D] by the angles of `rope_cos_sin`."""
-    d = x.shape[-1]
-    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of x [T, heads, D] at `positions` [T]."""
-    return apply_rope(x, *rope_cos_sin(positions, x.shape[-1], theta))
-
-
 class _Layer(nn.Module):
     """Column-parallel qkv / up, row-parallel o / down (an all-reduce each with tp_size > 1)."""
 
@@ -96,14 +76,17 @@ class _Layer(nn.Module):
             torch.distributed.all_reduce(y, group=self.tp_group)
         return y
 
-    def forward(self, x, rot, attn, impl, cache):
+    def forward(self, x, positions, inv_freq, attn, impl, cache):
         cfg, d = self.cfg, self.cfg.head_dim
         hq, hkv = cfg.local_heads, cfg.local_kv_heads
         qkv = self.qkv(self.norm1(x))
-        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), *rot)  # one kernel
-        q, k = qk.split([hq, hkv], 1)
-        v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-        a = impl.forward(q, k, v, cache, attn)
+        if hasattr(impl, "forward_qkv"):  # rotary embedding fused with the KV write
+            a = impl.forward_qkv(qkv, positions, inv_freq, cache, attn)
+        else:
+            rot = rope_cos_sin(positions, d, cfg.rope_theta, inv_freq)
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), *rot)
+            q, k = qk.split([hq, hkv], 1)
+            a = impl.forward(q, k, qkv[:, (hq + hkv) * d :].view(-1, hkv, d), cache, attn)
         x = x + self._reduce(self.o(a.flatten(1)))
         g, u = self.up(self.norm2(x)).chunk(2, -1)
         return x + self._reduce(self.down(nn.functional.silu(g) * u))
@@ -122,7 +105,9 @@ class TinyDecoder(nn.Module):
     cfg : TinyConfig, optional
     impl : object, optional
         ``impl.forward(q, k, v, (k_cache, v_cache), attn_metadata)``, e.g. a
-        FlexAttentionImpl; default PagedAttentionImpl.
+        FlexAttentionImpl; default PagedAttentionImpl. An impl with
+        ``forward_qkv(qkv, positions, inv_freq, cache, attn_metadata)`` gets the fused
+        projection and applies the rotary embedding itself (one launch with the KV write).
     tp_group : torch.distributed.ProcessGroup, optional
         With ``cfg.tp_size`` > 1: the tensor-parallel group whose all-reduces
         follow o and down (this rank holds its slice of heads, KV heads and MLP;
@@ -140,6 +125,7 @@ class TinyDecoder(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.impl = impl or PagedAttentionImpl(c.local_heads, c.head_dim, c.local_kv_heads)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.inv_freq: torch.Tensor | None = None  # float32 (not a buffer: .to(dtype) skips it)
 
     @torch.no_grad()
     def load_shard(self, full: TinyDecoder, rank: int) -> TinyDecoder:
@@ -170,6 +156,7 @@ class TinyDecoder(nn.Module):
     def allocate_caches(self, num_blocks: int, block_size: int) -> None:
         p = next(self.parameters())
         c = self.cfg
+        self.inv_freq = inv_frequencies(c.head_dim, c.rope_theta, p.device)
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, c.local_kv_heads,
                                                c.head_dim, p.dtype, p.device) for _ in range(2))
                        for _ in range(c.num_layers)]
@@ -179,9 +166,8 @@ class TinyDecoder(nn.Module):
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         x = self.embed(inputs["input_ids"])
-        rot = rope_cos_sin(inputs["positions"], self.cfg.head_dim, self.cfg.rope_theta)
         for layer, cache in zip(self.layers, self.caches, strict=True):
-            x = layer(x, rot, attn_metadata, self.impl, cache)
+            x = layer(x, inputs["positions"], self.inv_freq, attn_metadata, self.impl, cache)
         return self.lm_head(self.norm(x))
 
     @torch.inference_mode()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graphattn.backends.kernels import allocate_kv_cache
+from graphattn.backends import ops
 from graphattn.backends.ops import kv_bounds, resolve_kernel, split_plan
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.sync import no_host_sync
@@ -176,3 +177,91 @@ def test_kv_bounds_must_live_on_the_host():
         torch.ops.graphattn.paged_attention(*args, bad, 0, 0.0, None, "torch")
     out = torch.ops.graphattn.paged_attention(*args, kv_bounds(1, 4), 0, 0.0, None, "torch")
     assert out.shape == (1, 2, 8)
+
+
+def _rope_reference(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """float64 rotation of NeoX halves as complex numbers: (x1 + i x2) * e^(i pos f)."""
+    d = x.shape[-1]
+    f = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double())
+    z = z * torch.polar(torch.ones_like(f), pos.double()[:, None] * f)[:, None]
+    return torch.cat([z.real, z.imag], -1)
+
+
+def _rope_case(device, dtype, h=6, hkv=2, d=32, t=7, seed=0):
+    from graphattn.backends.rope import inv_frequencies
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(device, dtype)
+    pos = torch.randint(0, 4096, (t,), generator=g).to(device)
+    slots = torch.randperm(40, generator=g)[:t].to(device)
+    slots[2] = -1  # a padded token
+    caches = [torch.randn(6, 8, hkv, d, generator=g).to(device, dtype) for _ in range(2)]
+    return qkv, pos, inv_frequencies(d, 10000.0, device), caches, slots, (h, hkv, d)
+
+
+@pytest.mark.parametrize(("device", "kernel", "dtype", "tol"), [
+    ("cpu", "torch", torch.float32, 1e-3),  # float32 angles at positions up to 4096
+    pytest.param("cuda", "triton", torch.float32, 1e-3, marks=pytest.mark.cuda),
+    pytest.param("cuda", "triton", torch.bfloat16, 2e-2, marks=pytest.mark.cuda)])
+def test_rope_write_kv_matches_float64_rotation(device, kernel, dtype, tol):
+    """q returned rotated, k rotated and v written to their slots, slot -1 written nowhere
+    (the torch path parks it in the sink block, past every real slot); under no_host_sync."""
+    qkv, pos, inv, (kc, vc), slots, (h, hkv, d) = _rope_case(device, dtype)
+    before = [c.clone() for c in (kc, vc)]
+    with no_host_sync():
+        q = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, kc, vc, slots, h, hkv, kernel)
+    x = qkv.double().cpu().view(qkv.shape[0], h + 2 * hkv, d)
+    p = pos.cpu()
+    torch.testing.assert_close(q.double().cpu(), _rope_reference(x[:, :h], p, 1e4), rtol=tol,
+                               atol=tol)
+    assert q.is_contiguous() and q.dtype == dtype
+    ok = (slots >= 0).cpu()
+    s = slots.cpu()[ok]
+    k_ref = _rope_reference(x[:, h:h + hkv], p, 1e4)[ok]
+    flat_k, flat_v = (c.view(-1, hkv, d).double().cpu() for c in (kc, vc))
+    torch.testing.assert_close(flat_k[s], k_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(flat_v[s], x[:, h + hkv:][ok].to(dtype).double())
+    real = kc.shape[0] * kc.shape[1] - kc.shape[1]  # slots before the sink block
+    untouched = torch.ones(real, dtype=torch.bool)
+    untouched[s] = False
+    for c, b in zip((kc, vc), before, strict=True):
+        assert torch.equal(c.view(-1, hkv, d)[:real][untouched.to(device)],
+                           b.view(-1, hkv, d)[:real][untouched.to(device)])
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_rope_write_kv_agrees_with_its_fake_and_refuses_a_bad_qkv(device):
+    qkv, pos, inv, (kc, vc), slots, (h, hkv, d) = _rope_case("cpu", torch.float32)
+    args = [a.to(device) for a in (qkv, pos, inv, kc, vc, slots)]
+    if device == "meta":  # the fake gives the shape without running anything
+        q = torch.ops.graphattn.rope_write_kv(*args, h, hkv, "auto")
+        assert q.shape == (qkv.shape[0], h, d) and q.device.type == "meta"
+        return
+    torch.library.opcheck(torch.ops.graphattn.rope_write_kv.default, (*args, h, hkv, "auto"))
+    with pytest.raises(ValueError, match=r"qkv has shape \(7, 320\), expected \(7, 384\) for "
+                                         r"8 heads, 2 KV heads, head_dim 32"):
+        torch.ops.graphattn.rope_write_kv(*args, 8, hkv, "auto")
+
+
+@pytest.mark.cuda
+def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
+    """With one KV split the output is allocated empty (no memset node): tiles write the
+    padded tokens' zeros. The allocator is handed NaN-filled memory first."""
+    from graphattn.backends.ops import _triton_attention
+
+    torch.manual_seed(0)
+    rows, h, hkv, d, bs, nblk = 4, 8, 2, 64, 16, 4
+    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2))
+    bt = torch.arange(rows * nblk, device="cuda", dtype=torch.int32).view(rows, nblk)
+    qsl = torch.tensor([0, 1, 2, 2, 2], device="cuda", dtype=torch.int32)  # 2 padded rows
+    seq = torch.tensor([9, 60, 0, 0], device="cuda", dtype=torch.int32)
+    t = 4
+    q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+    for uniform in (1, 0):
+        poison = torch.full((t, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        del poison
+        out = _triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, uniform, 64, 0, 0.0, None,
+                                config=ops.TritonConfig(waves=0))
+        assert out[2:].abs().sum().item() == 0 and out[:2].isfinite().all()
