@@ -40,6 +40,7 @@ __all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "SamplingParams", "Ste
 # forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
 ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
 STATIC_INPUTS = ("input_ids", "positions")
+INPUT_NAMES = (*STATIC_INPUTS, "req_slots")
 
 
 @dataclass(slots=True)
@@ -176,8 +177,11 @@ class GraphRunner:
         what the dispatcher honours.
     policy : BucketPolicy, optional
         Which graphs exist (ignored when `dispatcher` is given).
-    static_input_names : sequence of str
-        Subset of ("input_ids", "positions").
+    static_input_names : sequence of str, optional
+        Subset of ("input_ids", "positions", "req_slots"): int64 [num_tokens]
+        token ids and positions, int64 [num_reqs_padded] request slot of each row
+        (0 in padded rows). Default: the forward's ``static_input_names`` when it
+        has one, else ("input_ids", "positions").
     builder : AttentionBuilder, optional
         Default: the backend's factory, given this runner's `BuilderContext`.
         ``builder.build(common, key)`` runs inside the captured step, so with
@@ -215,16 +219,18 @@ class GraphRunner:
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
                  policy: BucketPolicy | None = None,
-                 static_input_names: Sequence[str] = STATIC_INPUTS,
+                 static_input_names: Sequence[str] | None = None,
                  builder: AttentionBuilder | None = None, on_missing: str = "eager",
                  profiler: StageProfiler | None = None,
                  dispatcher: GraphDispatcher | None = None, compile: bool = False,
                  vocab_size: int | None = None, sampling: bool = False,
                  mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE) -> None:
-        bad = set(static_input_names) - set(STATIC_INPUTS)
+        if static_input_names is None:
+            static_input_names = getattr(forward, "static_input_names", STATIC_INPUTS)
+        bad = set(static_input_names) - set(INPUT_NAMES)
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
-                             f"{STATIC_INPUTS}")
+                             f"{INPUT_NAMES}")
         spec = get_backend(backend)
         self.forward = forward
         # compile: the device step around the builder, two compiled parts per batch shape
@@ -265,7 +271,8 @@ class GraphRunner:
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
                     block_ids: Sequence[int] | np.ndarray | None = None,
                     num_computed_tokens: int = 0,
-                    sampling: SamplingParams | None = None) -> int:
+                    sampling: SamplingParams | None = None,
+                    encoder_inputs: Any = None) -> int:
         """Admit a request and return its slot (validated whole before anything changes).
 
         Parameters
@@ -280,6 +287,10 @@ class GraphRunner:
             preemption); the step schedules the rest.
         sampling : SamplingParams, optional
             Default greedy; anything else needs a runner built with sampling=True.
+        encoder_inputs : optional
+            An encoder-decoder's encoder input (e.g. Whisper's input features), for a
+            forward with ``encode(encoder_inputs)`` and ``store_encoder(slot,
+            encoded)``: the encoder runs once here, before the request is admitted.
         """
         st = self.state
         sampling = sampling or SamplingParams()
@@ -297,6 +308,7 @@ class GraphRunner:
             bad = ids[(ids < 0) | (ids >= (self.vocab_size or np.iinfo(np.int64).max))]
             raise ValueError(f"prompt_token_ids of {req_id!r}: ids {bad[:8].tolist()} are outside "
                              f"[0, vocab_size={self.vocab_size}]")
+        encoded = self._encode(req_id, encoder_inputs)
         if block_ids is None:
             free = int(np.flatnonzero(~st.active_np)[0]) if st.num_active < st.max_num_reqs else 0
             b = st.max_num_blocks_per_req
@@ -307,7 +319,22 @@ class GraphRunner:
         self.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
         if self.sampler is not None:
             self.sampler.set(slot, sampling)
+        if encoded is not None:
+            self.forward.store_encoder(slot, encoded)
         return slot
+
+    def _encode(self, req_id: str, encoder_inputs: Any) -> Any:
+        """The forward's encoding of a request's encoder input (None for a decoder-only)."""
+        encode = getattr(self.forward, "encode", None)
+        if encode is None:
+            if encoder_inputs is not None:
+                raise ValueError(f"request {req_id!r} has encoder_inputs, but the model "
+                                 f"{type(self.forward).__name__} has no encoder")
+            return None
+        if encoder_inputs is None:
+            raise ValueError(f"request {req_id!r}: {type(self.forward).__name__} is an "
+                             "encoder-decoder and needs encoder_inputs")
+        return encode(encoder_inputs)
 
     def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
         """More KV-cache blocks for a running request (`RequestState.append_blocks`)."""
@@ -384,6 +411,8 @@ class GraphRunner:
             inputs["input_ids"] = ids
         if "positions" in self.static_input_names:
             inputs["positions"] = batch.positions
+        if "req_slots" in self.static_input_names:
+            inputs["req_slots"] = batch.req_slots
         logits_all = forward(inputs, meta)
         seq = batch.seq_lens.long()
         qsl = batch.query_start_loc.long()

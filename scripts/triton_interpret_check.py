@@ -2,8 +2,9 @@
 
     TRITON_INTERPRET=1 python scripts/triton_interpret_check.py
 
-Compares `_triton_attention`, `write_kv_kernel` and `rope_write_kv_kernel` with the plain-torch reference on random
-paged batches (mixed, uniform decode with split-KV, spec-decode rows, window/softcap/sinks).
+Compares `_triton_attention`, `write_kv_kernel` and `rope_write_kv_kernel` with the plain-
+torch reference on random paged batches (mixed, uniform decode with split-KV, spec-decode
+rows, window/softcap/sinks).
 A development aid before spending GPU time; the GPU tests are the real check. (Triton
 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses: use an older
 numpy, or patch its `__index__` to take the first element.)

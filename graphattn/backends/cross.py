@@ -22,7 +22,8 @@ from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.transfer import to_device
 
-__all__ = ["CrossAttentionBuilder", "CrossAttentionImpl", "CrossAttentionMetadata"]
+__all__ = ["CrossAttentionBuilder", "CrossAttentionImpl", "CrossAttentionMetadata",
+           "cached_cross_metadata"]
 
 
 @dataclass(slots=True)
@@ -58,6 +59,33 @@ class CrossAttentionMetadata(BackendMetadata):
     encoder_seq_lens: torch.Tensor
     cross_block_table: torch.Tensor
     cross_slot_mapping: torch.Tensor
+
+
+def cached_cross_metadata(query_start_loc: torch.Tensor, encoder_seq_lens: torch.Tensor,
+                          cross_block_table: torch.Tensor, max_encoder_len: int,
+                          block_size: int) -> CrossAttentionMetadata:
+    """Metadata of rows whose encoder K/V is already cached (capturable: no host work).
+
+    For a model that writes each request's encoder K/V once, when it is admitted: every
+    row reads its own blocks, nothing is written in the step. The CPU numbers are fixed by
+    the encoder length cap, so one captured graph serves any mix of requests
+    (`num_actual_tokens` is 0: not known on the host, and the impl does not read it).
+
+    Parameters
+    ----------
+    query_start_loc : int32 [rows + 1] (device)
+    encoder_seq_lens : int32 [rows] (device): each row's encoder length (0: padded row)
+    cross_block_table : int32 [rows, blocks] (device): each row's encoder cache blocks
+    max_encoder_len, block_size : int
+    """
+    rows = cross_block_table.shape[0]
+    return CrossAttentionMetadata(
+        num_computed_tokens_cpu=np.zeros(rows, np.int32), num_cache_decodes=rows,
+        num_encoder_tokens=0, max_encoder_len=max_encoder_len,
+        num_kv_blocks=block_count(max_encoder_len, block_size, cross_block_table.shape[1]),
+        num_actual_tokens=0, query_start_loc=query_start_loc,
+        encoder_seq_lens=encoder_seq_lens, cross_block_table=cross_block_table,
+        cross_slot_mapping=query_start_loc.new_zeros(0, dtype=torch.int64))
 
 
 class CrossAttentionBuilder:

@@ -37,8 +37,10 @@ SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen
 EXPERTS_IMPLEMENTATION = "batched_mm"
 # why the others are refused
 _REASONS = {
-    "bart": "encoder-decoder: needs the cross backend with encoder outputs",
-    "whisper": "encoder-decoder: needs the cross backend with encoder outputs",
+    "bart": "encoder-decoder: its decoder derives positions from the cache length, not from "
+            "position ids (see graphattn.models.hf_encoder_decoder)",
+    "whisper": "encoder-decoder: wrap it with graphattn.models.hf_encoder_decoder."
+               "HFEncoderDecoder",
     "gpt_neo": "its local-attention layers give other tokens than its generate() here",
     "gpt_bigcode": "multi-query attention is not read from its config here",
 }
@@ -51,7 +53,8 @@ def check_supported(model: nn.Module) -> None:
     if mtype not in SUPPORTED:
         reason = _REASONS.get(mtype)
         if reason is None and getattr(cfg, "is_encoder_decoder", False):
-            reason = _REASONS["bart"]
+            reason = ("encoder-decoder: only those of graphattn.models.hf_encoder_decoder are "
+                      "supported")
         raise ValueError(
             f"{name} (model_type {mtype!r}) is not supported by graphattn.models.hf: "
             f"{reason or 'not among the families checked against generate()'}; supported: "
@@ -66,6 +69,9 @@ def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          **kwargs: Any) -> tuple[torch.Tensor, None]:
     ctx: HFCausalLM = kwargs["graphattn_runner"]
     q = query[0].transpose(0, 1)
+    if id(module) in getattr(ctx, "cross_layer_of", ()):  # an encoder-decoder's cross layer
+        out = ctx.cross_attention(module, q, scaling, kwargs["graphattn_cross_metadata"])
+        return out.unsqueeze(0), None
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     impl = ctx.impl_for(module, scaling, sliding_window, softcap, s_aux)
@@ -90,7 +96,7 @@ class HFCausalLM:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        check_supported(model)
+        self.check(model)
         _register()
         self.model = model.eval()
         cfg = model.config
@@ -100,6 +106,11 @@ class HFCausalLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._impls: dict[tuple, PagedAttentionImpl] = {}
+
+    @staticmethod
+    def check(model: nn.Module) -> None:
+        """`check_supported`: refuses, when wrapping, what this class cannot run right."""
+        check_supported(model)
 
     def impl_for(self, module: nn.Module, scaling: float | None, window: int | None = None,
                  softcap: float | None = None,

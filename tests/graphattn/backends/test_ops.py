@@ -5,8 +5,8 @@ split-KV; under no_host_sync, captured in CUDA graphs, and compiled without cach
 import pytest
 import torch
 
-from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends import ops
+from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.ops import kv_bounds, resolve_kernel, split_plan
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.sync import no_host_sync
