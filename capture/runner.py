@@ -29,6 +29,7 @@ from graphattn.checks import INT32_MAX, as_int32_array
 from graphattn.compile import BucketCompiler
 from graphattn.keys import CUDAGraphMode, GraphKey
 from graphattn.metadata import build_common_metadata
+from graphattn.proposer import DraftProposer
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
 from graphattn.state import RequestState, SchedulerOutput
@@ -78,6 +79,10 @@ class StepOutput:
     mode : CUDAGraphMode
         How the step ran: FULL (a whole-step graph replayed), PIECEWISE (the
         pieces of the split model replayed around eager attention) or NONE (eager).
+    emitted_host : TokenFuture or None
+        Steps with drafts: ``wait()`` gives int64 [num_reqs, decode_query_len], the
+        tokens each row produced in order (its accepted drafts, then `sampled`),
+        -1 past them: what a serving loop streams, whoever proposed the drafts.
     """
 
     logits: torch.Tensor
@@ -91,6 +96,7 @@ class StepOutput:
     rejected_host: TokenFuture | None = None
     feedback: RejectionFeedback | None = None
     mode: CUDAGraphMode = CUDAGraphMode.NONE
+    emitted_host: TokenFuture | None = None
 
 
 class TokenFuture:
@@ -114,7 +120,8 @@ class TokenFuture:
         return self._ring is None or self._ring.events[self._slot].query()
 
     def wait(self) -> np.ndarray:
-        """int64 [num_reqs] tokens (blocks until this step's copy has landed)."""
+        """int64 [num_reqs] (or [num_reqs, width]) tokens (blocks until this step's copy has
+        landed)."""
         if self._ring is None:
             return self._src.to("cpu").numpy().astype(np.int64, copy=True)
         if self._ring.versions[self._slot] != self._version:
@@ -126,15 +133,16 @@ class TokenFuture:
 
 
 class _OutputRing:
-    """Pinned host slots (CUDA) that a step's tokens are copied into without blocking."""
+    """Pinned host slots (CUDA) that a step's tokens are copied into without blocking
+    (`width` columns per row when given)."""
 
     DEPTH = 8
 
-    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, width: int | None = None) -> None:
         self.cuda = device.type == "cuda"
         n = self.DEPTH if self.cuda else 0
-        self.host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=True)
-                     for _ in range(n)]
+        shape = (max_num_reqs,) if width is None else (max_num_reqs, width)
+        self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(n)]
         self.events = [torch.cuda.Event() for _ in range(n)]
         self.versions = [0] * n
         self.i = 0
@@ -215,6 +223,10 @@ class GraphRunner:
         Piecewise keys run the forward compiled once and split at the attention
         ops (`graphattn.capture.piecewise`), its pieces captured per padded token
         count by `capture()`.
+    proposer : DraftProposer, optional
+        Proposes drafts inside the step (e.g. `graphattn.proposer.NgramProposer`)
+        for rows the schedule gives drafts when step() gets no draft_token_ids;
+        they are verified in the same step (and graph).
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
@@ -224,7 +236,8 @@ class GraphRunner:
                  profiler: StageProfiler | None = None,
                  dispatcher: GraphDispatcher | None = None, compile: bool = False,
                  vocab_size: int | None = None, sampling: bool = False,
-                 mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE) -> None:
+                 mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
+                 proposer: DraftProposer | None = None) -> None:
         if static_input_names is None:
             static_input_names = getattr(forward, "static_input_names", STATIC_INPUTS)
         bad = set(static_input_names) - set(INPUT_NAMES)
@@ -262,6 +275,12 @@ class GraphRunner:
         self._outputs = _OutputRing(state.max_num_reqs, state.device)
         self._staging = StagingRing(state.device)
         self._rejections = _OutputRing(state.max_num_reqs, state.device)
+        self._emitted = _OutputRing(state.max_num_reqs, state.device,
+                                    dispatcher.decode_query_len)
+        if proposer is not None and not isinstance(proposer, DraftProposer):
+            raise TypeError(f"proposer {type(proposer).__name__} has no propose(token_ids, "
+                            "req_slots, last_positions, num_drafts)")
+        self.proposer = proposer
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=state.device)
@@ -372,7 +391,8 @@ class GraphRunner:
         -------
         logits : [num_reqs_padded, vocab] at each row's output position;
         sampled : int64 [num_reqs_padded]; logprobs : float32 [num_reqs_padded]
-        (0 without sampling=True); rejected : int32 [num_reqs_padded]
+        (0 without sampling=True); rejected : int32 [num_reqs_padded];
+        emitted : int64 [num_reqs_padded, decode_query_len] (see StepOutput.emitted_host)
         """
         st = self.state
         piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
@@ -400,8 +420,19 @@ class GraphRunner:
         """
         st = self.state
         ids = self.token_ids[batch.token_slots, batch.positions]
+        t = ids.shape[0]
+        rows = batch.req_indices
+        qsl = batch.query_start_loc.long()
+        offset = torch.arange(t, device=ids.device) - qsl[rows]
         if spec:
             drafts = batch.draft_ids.long()
+            if self.proposer is not None:  # rows with drafts but no ids from the host
+                k = self.dispatcher.decode_query_len - 1
+                last = batch.positions[qsl[:-1].clamp(max=max(t - 1, 0))]
+                proposed = self.proposer.propose(self.token_ids, batch.req_slots, last, k)
+                wanted = (offset >= 1) & (offset <= batch.num_drafts.long()[rows]) & (drafts < 0)
+                drafts = torch.where(wanted, proposed[rows, (offset - 1).clamp(0, k - 1)],
+                                     drafts)
             is_draft = drafts >= 0
             ids = torch.where(is_draft, drafts, ids)
             col = torch.where(is_draft, batch.positions, st.max_model_len)
@@ -415,18 +446,17 @@ class GraphRunner:
             inputs["req_slots"] = batch.req_slots
         logits_all = forward(inputs, meta)
         seq = batch.seq_lens.long()
-        qsl = batch.query_start_loc.long()
+        width = self.dispatcher.decode_query_len
         if not spec:
             out_idx = (qsl[1:] - 1).clamp(min=0)
             logits = logits_all[out_idx]
             sampled, logprobs = self._sample(logits, batch.req_slots, seq)
             rejected = torch.zeros_like(batch.num_scheduled)
+            emitted = torch.cat([sampled[:, None], sampled.new_full(
+                (sampled.shape[0], width - 1), -1)], 1)
         else:
-            t = ids.shape[0]
             target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
             nxt = torch.cat([ids[1:], ids.new_full((1,), -1)])
-            rows = batch.req_indices
-            offset = torch.arange(t, device=ids.device) - qsl[rows]
             bad = (offset < batch.num_drafts.long()[rows]) & (target != nxt)
             first_bad = torch.full_like(seq, t).scatter_reduce(
                 0, rows, torch.where(bad, offset, t), "amin")
@@ -435,12 +465,17 @@ class GraphRunner:
             # a row's output follows its accepted drafts: its last token minus the rejected
             out_idx = (qsl[1:] - 1 - rejected).clamp(min=0)
             logits, sampled, logprobs = logits_all[out_idx], target[out_idx], lp_all[out_idx]
+            # a row emits its accepted drafts (equal to the target there), then `sampled`
+            j = torch.arange(width, device=ids.device)
+            at = (qsl[:-1, None] + batch.num_scheduled.long()[:, None] - 1
+                  - batch.num_drafts.long()[:, None] + j).clamp(0, max(t - 1, 0))
+            emitted = torch.where(j <= accepted[:, None], target[at], -1)
             seq = seq - rejected
         done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
         self.token_ids[batch.req_slots, col] = sampled
         st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
-        return logits, sampled, logprobs, rejected
+        return logits, sampled, logprobs, rejected, emitted
 
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -589,9 +624,10 @@ class GraphRunner:
             raise
         with prof.range("postprocess"):
             host = self._outputs.push(outs[1])
-            feedback = rejected = None
+            feedback = rejected = emitted = None
             if sched.num_draft_tokens is not None:
                 rejected = self._rejections.push(outs[3])
+                emitted = self._emitted.push(outs[4])
                 # rejected counts are filled in by apply_feedback once they reach the host
                 feedback = RejectionFeedback.of_step(st, sched, np.zeros(sched.num_reqs, np.int32))
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
@@ -601,7 +637,8 @@ class GraphRunner:
                 CUDAGraphMode.FULL if replayed else CUDAGraphMode.NONE)
         return StepOutput(outs[0], outs[1], key, replayed, time.perf_counter() - t0, host,
                           outs[2] if self.sampler is not None else None,
-                          outs[3] if feedback is not None else None, rejected, feedback, mode)
+                          outs[3] if feedback is not None else None, rejected, feedback, mode,
+                          emitted)
 
     def _check_drafts(self, sched: SchedulerOutput, draft_token_ids: Any) -> np.ndarray | None:
         """Validate a step's drafts on the CPU (before anything changes)."""
@@ -611,8 +648,9 @@ class GraphRunner:
             return None
         if self.dispatcher.decode_query_len < 2:
             raise ValueError("drafts need a runner whose policy has decode_query_len > 1")
-        if draft_token_ids is None:
-            raise ValueError("sched.num_draft_tokens > 0 needs draft_token_ids")
+        if draft_token_ids is None and self.proposer is None:
+            raise ValueError("sched.num_draft_tokens > 0 needs draft_token_ids (or a runner "
+                             "built with a proposer)")
         most = self.dispatcher.decode_query_len - 1
         if sched.num_draft_tokens.max() > most:
             raise ValueError(f"num_draft_tokens up to {sched.num_draft_tokens.max()}, expected "
@@ -623,6 +661,8 @@ class GraphRunner:
         if (with_drafts & pre).any():
             raise ValueError(f"slots {sched.req_slots[with_drafts & pre].tolist()} have drafts "
                              "before their prompt is computed")
+        if draft_token_ids is None:
+            return None  # the proposer drafts inside the step
         hi = self.vocab_size - 1 if self.vocab_size else INT32_MAX
         return as_int32_array("draft_token_ids", draft_token_ids, 0, hi)
 

@@ -18,7 +18,7 @@ LAYERS = [
      "graphattn.checks"},
     {"graphattn.state", "graphattn.batch", "graphattn.metadata", "graphattn.ubatch",
      "graphattn.spec_decode", "graphattn.compile", "graphattn.workload",
-     "graphattn.sampling"},
+     "graphattn.sampling", "graphattn.proposer"},
     {"graphattn.backends"},
     {"graphattn.capture"},
     {"graphattn.models", "graphattn.demo"},

@@ -176,3 +176,40 @@ def test_staging_ring_reuses_pinned_buffers_on_cuda():
         runner.step(SchedulerOutput(np.array([a]), np.array([1])))
     torch.cuda.synchronize()
     assert runner._staging.num_allocated <= 10  # not one pinned allocation per step
+
+
+@pytest.mark.parametrize(("compile", "device"), [
+    (False, "cpu"), pytest.param(True, "cuda", marks=pytest.mark.cuda)])
+def test_ngram_proposer_inside_the_step_matches_plain_decoding(compile, device):
+    """Drafts proposed on the device inside the step (no draft ids from the host): the
+    emitted tokens are plain decoding's, some drafts are accepted (greedy decoding of a
+    random model cycles), and the host learns every token from `emitted_host`."""
+    from graphattn.proposer import NgramProposer
+
+    prompt, k, n = [5, 3, 9, 1, 7], 3, 40
+    want = plain_greedy(prompt, n + k + 1, device)
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(
+        device, torch.float64 if device == "cpu" else torch.float32)
+    st = RequestState(2, 96, 8, device)
+    model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+    runner = GraphRunner(model, st, policy=BucketPolicy(
+        capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
+        decode_query_len=k + 1), compile=compile, proposer=NgramProposer(n=2, window=32))
+    runner.capture(progress=False)
+    a = runner.add_request("a", prompt)
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
+    got = [int(out.sampled[0])]
+    accepted = 0
+    while len(got) < n:
+        with no_host_sync():
+            out = runner.step(SchedulerOutput(np.array([a]), np.array([k + 1]), np.array([k])))
+        assert out.replayed
+        row = out.emitted_host.wait()[0]
+        emitted = row[row >= 0].tolist()
+        assert emitted[-1] == int(out.sampled_host.wait()[0])
+        accepted += len(emitted) - 1
+        got += emitted
+        runner.apply_feedback(out)
+    assert got[:n] == want[:n]
+    assert accepted > 0
