@@ -281,6 +281,10 @@ class GraphRunner:
             raise TypeError(f"proposer {type(proposer).__name__} has no propose(token_ids, "
                             "req_slots, last_positions, num_drafts)")
         self.proposer = proposer
+        # drafts given as a device tensor wait here by slot until the step reads them
+        self.slot_drafts = torch.full((state.max_num_reqs, max(dispatcher.decode_query_len - 1,
+                                                               1)), -1, dtype=torch.int64,
+                                      device=state.device)
         # one spare column: sampled tokens of unfinished prefills land there
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=state.device)
@@ -425,14 +429,19 @@ class GraphRunner:
         qsl = batch.query_start_loc.long()
         offset = torch.arange(t, device=ids.device) - qsl[rows]
         if spec:
+            # rows with drafts but no ids from the host: the proposer's, else the ids a
+            # device tensor left in `slot_drafts` (out-of-range ids count as no draft)
             drafts = batch.draft_ids.long()
-            if self.proposer is not None:  # rows with drafts but no ids from the host
-                k = self.dispatcher.decode_query_len - 1
+            k = self.dispatcher.decode_query_len - 1
+            if self.proposer is not None:
                 last = batch.positions[qsl[:-1].clamp(max=max(t - 1, 0))]
-                proposed = self.proposer.propose(self.token_ids, batch.req_slots, last, k)
-                wanted = (offset >= 1) & (offset <= batch.num_drafts.long()[rows]) & (drafts < 0)
-                drafts = torch.where(wanted, proposed[rows, (offset - 1).clamp(0, k - 1)],
-                                     drafts)
+                source = self.proposer.propose(self.token_ids, batch.req_slots, last, k)
+            else:
+                source = self.slot_drafts[batch.req_slots]
+            wanted = (offset >= 1) & (offset <= batch.num_drafts.long()[rows]) & (drafts < 0)
+            drafts = torch.where(wanted, source[rows, (offset - 1).clamp(0, k - 1)], drafts)
+            if self.vocab_size:
+                drafts = torch.where(drafts < self.vocab_size, drafts, -1)
             is_draft = drafts >= 0
             ids = torch.where(is_draft, drafts, ids)
             col = torch.where(is_draft, batch.positions, st.max_model_len)
@@ -554,11 +563,14 @@ class GraphRunner:
         `dispatch_across_ranks`, so every rank replays the same graph and the
         collectives inside match.
 
-        Speculative decoding: rows with ``sched.num_draft_tokens`` > 0 run their
-        last token plus the drafts in `draft_token_ids` (all rows' drafts,
-        flattened in batch order); the target verifies them inside the step and
-        the device truth advances by the accepted count. The CPU mirror stays an
-        upper bound until `apply_feedback(out)` (any step later).
+        Speculative decoding: rows with ``sched.num_draft_tokens`` > 0 run their last token
+        plus the drafts in `draft_token_ids`: host ids, all rows' drafts flattened in batch
+        order (checked against the vocabulary), or a tensor int [num_reqs, decode_query_len
+        - 1] on any device (row r's first num_draft_tokens[r] used; read on the device only,
+        so an id outside the vocabulary counts as a rejected draft), or, with neither, the
+        runner's proposer drafts inside the step. The target verifies them inside the step
+        and the device truth advances by the accepted count. The CPU mirror stays an upper
+        bound until `apply_feedback(out)` (any step later).
 
         The step takes effect whole or not at all: the schedule is validated
         before anything changes, and the CPU mirror advances with the device
@@ -596,8 +608,13 @@ class GraphRunner:
             replayed = key is not None and key in self.graphs
         with prof.range("prepare"):
             pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
-            plan = plan_batch(st, sched, *pads, shape=shape, draft_token_ids=drafts,
+            on_device = isinstance(drafts, torch.Tensor)
+            plan = plan_batch(st, sched, *pads, shape=shape,
+                              draft_token_ids=None if on_device else drafts,
                               staging=self._staging)
+            if on_device:
+                self.slot_drafts[to_device(sched.req_slots.astype(np.int64), st.device)] = (
+                    drafts.to(st.device, torch.int64))
         # the mirror advances with the device work: rolled back below if that work never ran
         rows = sched.req_slots
         saved = st.num_computed_tokens_np[rows].copy(), st.num_pending_drafts_np[rows].copy()
@@ -663,6 +680,17 @@ class GraphRunner:
                              "before their prompt is computed")
         if draft_token_ids is None:
             return None  # the proposer drafts inside the step
+        if isinstance(draft_token_ids, torch.Tensor) and (
+                draft_token_ids.device.type != "cpu" or draft_token_ids.dim() == 2):
+            if self.proposer is not None:
+                raise ValueError("draft_token_ids as a device tensor needs a runner without a "
+                                 "proposer (its proposer drafts rows given no host ids)")
+            want = (sched.num_reqs, most)
+            if tuple(draft_token_ids.shape) != want or draft_token_ids.is_floating_point():
+                raise ValueError(f"draft_token_ids as a tensor on {draft_token_ids.device} must be "
+                                 f"integer of shape {want} (rows, decode_query_len - 1), got "
+                                 f"{draft_token_ids.dtype} {tuple(draft_token_ids.shape)}")
+            return draft_token_ids  # written to slot_drafts by the step, read on the device
         hi = self.vocab_size - 1 if self.vocab_size else INT32_MAX
         return as_int32_array("draft_token_ids", draft_token_ids, 0, hi)
 
