@@ -373,8 +373,8 @@ class GraphRunner:
         self.state.resync()
 
     # -- the step on the device ------------------------------------------
-    def _device_step(self, packed: torch.Tensor, plan: BatchPlan,
-                     key: GraphKey | None) -> tuple[torch.Tensor, ...]:
+    def _device_step(self, packed: torch.Tensor, plan: BatchPlan, key: GraphKey | None,
+                     piecewise: bool = False) -> tuple[torch.Tensor, ...]:
         """Everything a step does on the device, from its packed buffer (capturable).
 
         Device half of prepare, metadata build (a key fixes the plan), forward,
@@ -389,7 +389,8 @@ class GraphRunner:
         the greedy match; for sampled rows sample-and-match, which is exact
         rejection sampling for a draft given as a token), its output is the
         target's token after the accepted drafts, and its truth advances by
-        1 + accepted.
+        1 + accepted. `piecewise`: the key is piecewise, so the forward runs as
+        the split pieces (captured per token count) around eager attention.
 
         Returns
         -------
@@ -399,7 +400,6 @@ class GraphRunner:
         emitted : int64 [num_reqs_padded, decode_query_len] (see StepOutput.emitted_host)
         """
         st = self.state
-        piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
         compiled = self.compiler is not None and key is not None and not piecewise
         batch = assemble_batch(st, plan, packed, self._assembler if compiled else
                                assemble_tensors)
@@ -461,8 +461,8 @@ class GraphRunner:
             logits = logits_all[out_idx]
             sampled, logprobs = self._sample(logits, batch.req_slots, seq)
             rejected = torch.zeros_like(batch.num_scheduled)
-            emitted = torch.cat([sampled[:, None], sampled.new_full(
-                (sampled.shape[0], width - 1), -1)], 1)
+            emitted = sampled[:, None] if width == 1 else torch.cat(  # a view: no launch
+                [sampled[:, None], sampled.new_full((sampled.shape[0], width - 1), -1)], 1)
         else:
             target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
             nxt = torch.cat([ids[1:], ids.new_full((1,), -1)])
@@ -526,7 +526,8 @@ class GraphRunner:
                 for key in self.dispatcher.piecewise_keys():  # largest first, shared pool
                     plan = self._dummy_plan(key)
                     with self.piecewise.at_tokens(key.num_tokens_padded, capture=True):
-                        self._device_step(to_device(plan.packed, self.state.device), plan, key)
+                        self._device_step(to_device(plan.packed, self.state.device), plan, key,
+                                          piecewise=True)
                 report.num_piecewise = len(self.dispatcher.piecewise_keys())
                 report.seconds = time.perf_counter() - t0
                 if progress:
@@ -626,7 +627,7 @@ class GraphRunner:
                     packed = to_device(plan.packed, st.device)
                     if piecewise:
                         with self.piecewise.at_tokens(key.num_tokens_padded):
-                            outs = self._device_step(packed, plan, key)
+                            outs = self._device_step(packed, plan, key, piecewise=True)
                     else:
                         outs = self._device_step(packed, plan, None)
                     outs = tuple(o[: sched.num_reqs] for o in outs)
