@@ -197,7 +197,7 @@ def plan_batch(
     if shape is None:
         shape = state.batch_shape(sched)
     num_reqs = sched.num_reqs
-    num_tokens = sched.total_num_scheduled_tokens
+    num_tokens = shape.num_tokens
     reqs_p = num_reqs if num_reqs_padded is None else num_reqs_padded
     toks_p = num_tokens if num_tokens_padded is None else num_tokens_padded
     if reqs_p < num_reqs:
@@ -211,7 +211,7 @@ def plan_batch(
                      seq_lens_exact=not state.num_pending_drafts_np[sched.req_slots].any())
     plan.req_slots_np[:num_reqs] = sched.req_slots
     plan.num_scheduled_tokens_np[:num_reqs] = sched.num_scheduled_tokens
-    np.cumsum(plan.num_scheduled_tokens_np, out=plan.query_start_loc_np[1:])
+    plan.num_scheduled_tokens_np.cumsum(out=plan.query_start_loc_np[1:])
     plan.seq_lens_cpu_upper_bound_np[:num_reqs] = shape.seq_lens_upper_bound
     req_idx = plan.req_indices_np[:num_tokens]
     req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)

@@ -309,7 +309,8 @@ class RequestState:
         """
         slots = sched.req_slots
         if sched.num_reqs:
-            if slots.min() < 0 or slots.max() >= self.max_num_reqs:
+            # one reduction: a negative int32 slot is >= 2**31 as uint32
+            if int(slots.astype(np.int32, copy=False).view(np.uint32).max()) >= self.max_num_reqs:
                 raise ValueError(
                     f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
                     f"max {slots.max()}"
@@ -320,6 +321,9 @@ class RequestState:
         shape = BatchShape.of(self.num_computed_tokens_np, slots, sched.num_scheduled_tokens,
                               decode_query_len)
         ends = shape.seq_lens_upper_bound
+        room = self.num_blocks_np[slots].astype(np.int64) * self.block_size
+        if not (ends > np.minimum(room, self.max_model_len)).any():
+            return shape  # the common case: one check for both limits
         over = ends > self.max_model_len
         if over.any():
             i = int(np.argmax(over))
@@ -328,7 +332,6 @@ class RequestState:
                 f"{sched.num_scheduled_tokens[i]} = {ends[i]} exceeds max_model_len "
                 f"{self.max_model_len}"
             )
-        room = self.num_blocks_np[slots].astype(np.int64) * self.block_size
         short = ends > room
         if short.any():
             i = int(np.argmax(short))
