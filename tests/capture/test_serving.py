@@ -66,7 +66,7 @@ def test_greedy_runner_refuses_sampling_params():
     assert out.logprobs is None and out.sampled_host.wait().tolist() == out.sampled.tolist()
 
 
-def spec_runner(q, compile=False, device="cpu"):
+def spec_runner(q, compile=False, device="cpu", proposer=None):
     torch.manual_seed(0)  # float64 on CPU; float32 on CUDA (the Triton kernel's fp32 path)
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(
         device, torch.float64 if device == "cpu" else torch.float32)
@@ -74,7 +74,7 @@ def spec_runner(q, compile=False, device="cpu"):
     model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(model, st, policy=BucketPolicy(
         capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
-        decode_query_len=q), compile=compile)
+        decode_query_len=q), compile=compile, proposer=proposer)
     runner.capture(progress=False)
     return st, runner
 
@@ -188,15 +188,7 @@ def test_ngram_proposer_inside_the_step_matches_plain_decoding(compile, device):
 
     prompt, k, n = [5, 3, 9, 1, 7], 3, 40
     want = plain_greedy(prompt, n + k + 1, device)
-    torch.manual_seed(0)
-    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(
-        device, torch.float64 if device == "cpu" else torch.float32)
-    st = RequestState(2, 96, 8, device)
-    model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(
-        capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
-        decode_query_len=k + 1), compile=compile, proposer=NgramProposer(n=2, window=32))
-    runner.capture(progress=False)
+    st, runner = spec_runner(k + 1, compile, device, NgramProposer(n=2, window=32))
     a = runner.add_request("a", prompt)
     out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])))
     got = [int(out.sampled[0])]
