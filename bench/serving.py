@@ -5,7 +5,9 @@ finish at their limit; graphs vs eager, speculative decoding on vs off, side by 
 
 Spec decoding uses an oracle proposer (the target's own greedy continuation, computed
 beforehand by a plain greedy run of the same requests), so its rows show the ceiling of a
-perfect drafter; `accept_rate` is measured, not assumed. Each row: tokens/s, p50 / p99
+perfect drafter; the `graphs+ngram` row drafts inside the step with
+`graphattn.proposer.NgramProposer` (no host round trip: tokens are still read one step
+late, from `emitted_host`). `accept_rate` is measured, not assumed. Each row: tokens/s, p50 / p99
 inter-token latency (host clock between a request's consecutive token arrivals), host idle
 fraction (time the host spent blocked in `wait()` over the wall time), host syncs inside
 step() (counted on the first steps).
@@ -25,6 +27,7 @@ from bench.setup import MODELS
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyDecoder
+from graphattn.proposer import NgramProposer
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs
 
@@ -36,15 +39,19 @@ def _workload(n: int, vocab: int, seed: int = 0) -> list[tuple[np.ndarray, int]]
 
 
 def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
-          oracle: dict[int, list[int]] | None, max_reqs: int = 32) -> tuple[dict, dict]:
-    """Run every request of `work` to its limit; returns (row, generated tokens per request)."""
-    q = k + 1 if oracle is not None else 1
+          oracle: dict[int, list[int]] | None, max_reqs: int = 32,
+          ngram: bool = False) -> tuple[dict, dict]:
+    """Run every request of `work` to its limit; returns (row, generated tokens per request).
+    Drafts of `k` tokens per decoding row come from `oracle` (host) or, with `ngram`, from
+    an n-gram proposer inside the step."""
+    q = k + 1 if oracle is not None or ngram else 1
     st = RequestState(max_reqs, 512, 16, device)
     if not model.caches:
         model.allocate_caches(max_reqs * st.max_num_blocks_per_req, 16)
     runner = GraphRunner(model, st, policy=BucketPolicy(
         capture_sizes=(1, 2, 4, 8, 16, 32), length_boundaries=(128, 256),
-        mixed_token_sizes=(64, 128, 256), decode_query_len=q))
+        mixed_token_sizes=(64, 128, 256), decode_query_len=q),
+        proposer=NgramProposer(n=2, window=64) if ngram else None)
     report = runner.capture(progress=False) if mode == "graphs" else None
     waiting = list(range(len(work)))
     slot_of: dict[int, int] = {}
@@ -60,6 +67,7 @@ def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
         tw = time.perf_counter()
         toks = p_out.sampled_host.wait()
         rej = p_out.rejected_host.wait() if p_out.rejected_host is not None else None
+        emitted = p_out.emitted_host.wait() if ngram and p_out.emitted_host is not None else None
         blocked += time.perf_counter() - tw
         if p_out.feedback is not None:
             runner.apply_feedback(p_out)
@@ -73,8 +81,11 @@ def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
                 a = d - int(rej[j])
                 accepted += a
                 drafted += d
-                have = len(out_tokens[i])
-                new = oracle[i][have + 1: have + 1 + a] + new
+                if emitted is not None:
+                    new = emitted[j][: a + 1].tolist()
+                else:
+                    have = len(out_tokens[i])
+                    new = oracle[i][have + 1: have + 1 + a] + new
             out_tokens[i] += new
             arrivals[i].append(now)
             if len(out_tokens[i]) >= work[i][1]:
@@ -102,6 +113,8 @@ def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
                 if decoding[j] and len(nxt) == k:
                     drafts[j] = k
                     flat += nxt
+        elif ngram:
+            drafts[:] = np.where(decoding, k, 0)
         want = np.where(decoding, 1 + drafts, np.minimum(left, 128))
         room = np.maximum(256 - (np.cumsum(want) - want), 0)
         take = np.where(decoding, want, np.minimum(want, room))
@@ -109,7 +122,8 @@ def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
         out = None
         if keep.any():
             sched = SchedulerOutput(slots[keep], take[keep],
-                                    np.where(decoding, drafts, 0)[keep] if oracle else None)
+                                    np.where(decoding, drafts, 0)[keep]
+                                    if oracle or ngram else None)
             kept_flat = [t for j in np.flatnonzero(keep & (drafts > 0))
                          for t in flat[k * int((drafts[:j] > 0).sum()): k * int(
                              (drafts[:j] > 0).sum()) + k]]
@@ -130,7 +144,8 @@ def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
     wall = time.perf_counter() - t0
     gaps = np.concatenate([np.diff(a) for a in arrivals.values() if len(a) > 1])
     total = sum(min(len(v), work[i][1]) for i, v in out_tokens.items())
-    row = {"mode": mode + ("+spec" if oracle is not None else ""), "requests": len(work),
+    row = {"mode": mode + ("+spec" if oracle is not None else "+ngram" if ngram else ""),
+           "requests": len(work),
            "tokens": total, "tokens_per_s": total / wall, "itl_p50_ms": 1e3 * np.median(gaps),
            "itl_p99_ms": 1e3 * np.percentile(gaps, 99), "host_blocked_frac": blocked / wall,
            "syncs_per_step": syncs / max(min(steps, 5), 1), "steps": steps,
@@ -174,6 +189,10 @@ def main() -> None:
     spec_row["same_tokens_as_plain"] = spec_tokens == greedy
     rows.append(spec_row)
     rows.append(serve(model, args.device, work, "eager", args.spec, oracle)[0])
+    ngram_row, ngram_tokens = serve(model, args.device, work, "graphs", args.spec, None,
+                                    ngram=True)
+    ngram_row["same_tokens_as_plain"] = ngram_tokens == greedy
+    rows.append(ngram_row)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device":
             torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "model": args.model, "command": "python -m bench.serving " + " ".join(
