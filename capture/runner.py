@@ -244,6 +244,11 @@ class GraphRunner:
         if bad:
             raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
                              f"{INPUT_NAMES}")
+        slots = getattr(forward, "max_num_reqs", None)
+        if isinstance(slots, int) and slots < state.max_num_reqs:
+            raise ValueError(f"{type(forward).__name__} holds per-request state for "
+                             f"max_num_reqs = {slots} slots, expected >= the state's "
+                             f"{state.max_num_reqs}")
         spec = get_backend(backend)
         self.forward = forward
         # compile: the device step around the builder, two compiled parts per batch shape

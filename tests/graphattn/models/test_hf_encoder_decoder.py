@@ -102,6 +102,16 @@ def test_encoder_inputs_are_checked_before_the_request_is_admitted():
     assert st.num_active == 0  # nothing was admitted
 
 
+def test_a_wrapper_with_fewer_slots_than_the_state_is_refused():
+    from graphattn.models.hf_encoder_decoder import HFEncoderDecoder
+
+    wrapped = HFEncoderDecoder(whisper(), max_num_reqs=2)
+    wrapped.allocate_caches(8, 8)
+    with pytest.raises(ValueError, match=r"HFEncoderDecoder holds per-request state for "
+                                         r"max_num_reqs = 2 slots, expected >= the state's 4"):
+        GraphRunner(wrapped, RequestState(4, 64, 8))
+
+
 def test_encoder_inputs_refused_by_a_decoder_only_model():
     from graphattn.models.tiny import TinyConfig, TinyDecoder
 
