@@ -8,13 +8,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from graphattn.backends.kernels import (
-    block_count,
-    gather_paged,
-    grouped_attention,
-    token_request_index,
-    write_to_cache,
-)
+from graphattn.backends.kernels import block_count, token_request_index, write_to_cache
+from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import check_key_fits
 from graphattn.backends.registry import BackendMetadata, PadValue
 from graphattn.checks import as_int32_array
@@ -169,13 +164,29 @@ class CrossAttentionBuilder:
 
 
 class CrossAttentionImpl:
-    """Decoder queries over their request's encoder K/V (no causal mask)."""
+    """Decoder queries over their request's encoder K/V (no causal mask).
+
+    Each query token runs as its own row of ``torch.ops.graphattn.paged_attention`` (one
+    query over all of its request's encoder positions, which is what the causal kernel
+    computes for a last token), so CUDA gets the Triton kernel and CPU the plain-torch
+    reference, with no host reads.
+
+    Parameters
+    ----------
+    num_heads, head_dim : int
+    num_kv_heads : int, optional
+    scale : float, optional
+        Default head_dim ** -0.5.
+    kernel : {"auto", "triton", "varlen", "torch"}
+        See `graphattn.backends.ops`.
+    """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, kernel: str = "auto") -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.kernel = kernel
 
     def forward(self, q: torch.Tensor, encoder_k: torch.Tensor | None,
                 encoder_v: torch.Tensor | None, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -206,8 +217,9 @@ class CrossAttentionImpl:
         t = q.shape[0]
         req = token_request_index(meta.query_start_loc, t)
         real = torch.arange(t, device=q.device) < meta.query_start_loc[-1]
-        hi = torch.where(real, meta.encoder_seq_lens[req].long(), 0)
-        kc = gather_paged(k_cache, meta.cross_block_table, meta.num_kv_blocks)[req]
-        vc = gather_paged(v_cache, meta.cross_block_table, meta.num_kv_blocks)[req]
-        out, _ = grouped_attention(q.unsqueeze(1), kc, vc, hi.unsqueeze(1), scale=self.scale)
-        return out.squeeze(1)
+        lens = torch.where(real, meta.encoder_seq_lens[req], 0).to(torch.int32)
+        rows = torch.arange(t + 1, device=q.device, dtype=torch.int32)
+        return torch.ops.graphattn.paged_attention(
+            q, k_cache, v_cache, rows, lens, meta.cross_block_table[req],
+            torch.full((t,), -1, dtype=torch.int64, device=q.device), self.scale, t, 1,
+            kv_bounds(meta.num_kv_blocks, meta.max_encoder_len), 0, 0.0, None, self.kernel)
