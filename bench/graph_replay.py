@@ -14,8 +14,8 @@ bytes + live KV bytes) / the HBM bandwidth of a device copy measured in the same
 `x_floor`, `host_us` (median host time of a step call; the loop reads each step's tokens one
 step late, as a serving loop does, so no call waits on the token ring), `kernels` (nodes of
 the step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per model times the
-attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV
-bytes over its time).
+attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its
+time).
 """
 
 from __future__ import annotations

@@ -429,11 +429,11 @@ class GraphRunner:
         """
         st = self.state
         ids = self.token_ids[batch.token_slots, batch.positions]
-        t = ids.shape[0]
-        rows = batch.req_indices
         qsl = batch.query_start_loc.long()
-        offset = torch.arange(t, device=ids.device) - qsl[rows]
-        if spec:
+        if spec:  # each token's row and offset in it (plain steps launch none of this)
+            t = ids.shape[0]
+            rows = batch.req_indices
+            offset = torch.arange(t, device=ids.device) - qsl[rows]
             # rows with drafts but no ids from the host: the proposer's, else the ids a
             # device tensor left in `slot_drafts` (out-of-range ids count as no draft)
             drafts = batch.draft_ids.long()

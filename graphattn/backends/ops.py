@@ -34,7 +34,7 @@ from graphattn.backends.kernels import (
     token_request_index,
     write_to_cache,
 )
-from graphattn.backends.rope import apply_rope, rope_cos_sin
+from graphattn.backends.rope import apply_rope, cos_sin
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
            "gather_paged_attention", "has_triton", "has_varlen_paged", "kv_bounds",
@@ -404,7 +404,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
                          f"{num_heads} heads, {num_kv_heads} KV heads, head_dim {d}")
     if resolve_kernel(kernel, qkv.device) != "triton":
         qk = apply_rope(qkv[:, : (num_heads + num_kv_heads) * d].view(t, -1, d),
-                        *rope_cos_sin(positions, d, 0.0, inv_freq))
+                        *cos_sin(positions, inv_freq))
         write_to_cache(k_cache, slot_mapping, qk[:, num_heads:])
         write_to_cache(v_cache, slot_mapping, qkv[:, (num_heads + num_kv_heads) * d:]
                        .view(t, num_kv_heads, d))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rope", "inv_frequencies", "rope", "rope_cos_sin"]
+__all__ = ["apply_rope", "cos_sin", "inv_frequencies", "rope", "rope_cos_sin"]
 
 
 def inv_frequencies(head_dim: int, theta: float,
@@ -14,13 +14,16 @@ def inv_frequencies(head_dim: int, theta: float,
                                          dtype=torch.float32) / head_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [T, 1, head_dim / 2] cos and sin of the rotary angles at `positions` [T]."""
-    inv = inv_freq if inv_freq is not None else inv_frequencies(head_dim, theta,
-                                                                 positions.device)
-    ang = positions.float()[:, None] * inv[None]
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [T, 1, D / 2] cos and sin of the angles positions[t] * inv_freq (float32)."""
+    ang = positions.float()[:, None] * inv_freq[None]
     return ang.cos()[:, None], ang.sin()[:, None]
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int,
+                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos_sin` at `positions` [T] of the frequencies of `head_dim` and `theta`."""
+    return cos_sin(positions, inv_frequencies(head_dim, theta, positions.device))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

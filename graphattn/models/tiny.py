@@ -10,7 +10,7 @@ from torch import nn
 
 from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
-from graphattn.backends.rope import apply_rope, inv_frequencies, rope, rope_cos_sin
+from graphattn.backends.rope import apply_rope, cos_sin, inv_frequencies, rope, rope_cos_sin
 
 __all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]
 
@@ -76,14 +76,14 @@ class _Layer(nn.Module):
             torch.distributed.all_reduce(y, group=self.tp_group)
         return y
 
-    def forward(self, x, positions, inv_freq, attn, impl, cache):
+    def forward(self, x, positions, inv_freq, rot, attn, impl, cache):
+        """`rot`: the model's (cos, sin), or None where `impl.forward_qkv` rotates itself."""
         cfg, d = self.cfg, self.cfg.head_dim
         hq, hkv = cfg.local_heads, cfg.local_kv_heads
         qkv = self.qkv(self.norm1(x))
-        if hasattr(impl, "forward_qkv"):  # rotary embedding fused with the KV write
+        if rot is None:  # rotary embedding fused with the KV write
             a = impl.forward_qkv(qkv, positions, inv_freq, cache, attn)
         else:
-            rot = rope_cos_sin(positions, d, cfg.rope_theta, inv_freq)
             qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), *rot)
             q, k = qk.split([hq, hkv], 1)
             a = impl.forward(q, k, qkv[:, (hq + hkv) * d :].view(-1, hkv, d), cache, attn)
@@ -166,8 +166,11 @@ class TinyDecoder(nn.Module):
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         x = self.embed(inputs["input_ids"])
+        pos = inputs["positions"]
+        # an impl without forward_qkv gets q and k rotated here, the angles once per forward
+        rot = None if hasattr(self.impl, "forward_qkv") else cos_sin(pos, self.inv_freq)
         for layer, cache in zip(self.layers, self.caches, strict=True):
-            x = layer(x, inputs["positions"], self.inv_freq, attn_metadata, self.impl, cache)
+            x = layer(x, pos, self.inv_freq, rot, attn_metadata, self.impl, cache)
         return self.lm_head(self.norm(x))
 
     @torch.inference_mode()
