@@ -68,7 +68,7 @@ def plot(rows: list[dict], path: Path, replay: list[dict]) -> None:
                 if not pts:
                     continue
                 marker, ls = style[mode]
-                floor = mode == "replay_floor"  # hollow and larger: never hides the graphs line
+                floor = mode.startswith("replay_floor")  # hollow, larger: never hides a line
                 ax.plot(*zip(*pts, strict=True), marker=marker, linestyle="none" if floor else ls,
                         markersize=11 if floor else 6, fillstyle="none" if floor else "full",
                         label=mode, color=f"C{modes.index(mode)}")

@@ -7,12 +7,14 @@ Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 `graphattn_compiled_graphs` (inductor-compiled forward inside our graphs),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
-`replay_floor` (our graphs replayed back to back with no host work).
+`replay_floor` / `replay_floor_compiled` (the graphs of `graphattn_graphs` /
+`graphattn_compiled_graphs` replayed back to back with no host work: the GPU time alone).
 
 Each row: `us_step` (median of CUDA-event step times, with p25/p75), `floor_us` ((weight
 bytes + live KV bytes) / the HBM bandwidth of a device copy measured in the same run),
 `x_floor`, `host_us` (median host time of a step call; the loop reads each step's tokens one
-step late, as a serving loop does, so no call waits on the token ring), `kernels` (nodes of
+step late, as a serving loop does, so no call waits on the token ring), `host_stage_us` (median
+host µs of each stage of a step, from a second run with the stage timer on), `kernels` (nodes of
 the step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per model times the
 attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its
 time).
@@ -32,13 +34,15 @@ import torch
 
 from bench.setup import MODELS, fill_requests, make_setup, set_lengths
 from graphattn.buckets import BucketPolicy
+from graphattn.capture.profiling import StageProfiler
 from graphattn.capture.runner import GraphRunner
 from graphattn.state import SchedulerOutput
 
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
-MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, "replay_floor",
+FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
+MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
          "attention")
 
 
@@ -105,8 +109,20 @@ def _summary(times: np.ndarray) -> dict:
             "us_p75": float(np.percentile(times, 75))}
 
 
+def stage_times(runner: GraphRunner, step, steps: int) -> dict[str, float]:
+    """Median host µs per stage over `steps` more calls of `step`, the stage timer on."""
+    saved = runner.profiler
+    runner.profiler = StageProfiler(nvtx_ranges=False, torch_labels=False, record_times=True)
+    try:
+        for _ in range(steps):
+            step()
+        return {k: 1e6 * float(np.median(v)) for k, v in runner.profiler.times.items()}
+    finally:
+        runner.profiler = saved
+
+
 def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengths, steps,
-                bw, wbytes, rng) -> list[dict]:
+                bw, wbytes, rng, modes: tuple[str, ...]) -> list[dict]:
     rows = []
     st = setup.state
     for length in lengths:
@@ -137,12 +153,13 @@ def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengt
                    "kernels": graph_nodes(runner.graphs._captured[key].graph),
                    "capture_s": report.seconds, "pool_mb": report.pool_bytes / 2**20,
                    "keys": sorted({str(k) for k in keys})}
+            row["host_stage_us"] = stage_times(runner, step, steps)
             rows.append(row)
-            if mode == "graphattn_graphs":  # the same keys back to back, no host work
+            if FLOORS[mode] in modes:  # the same keys back to back, no host work
                 seq = iter(keys[:WARMUP + steps])
                 set_lengths(st, lens)
                 ft = event_times(lambda seq=seq: runner.graphs.replay_only(next(seq)), steps)
-                rows.append({"mode": "replay_floor", "batch": n, "length": length,
+                rows.append({"mode": FLOORS[mode], "batch": n, "length": length,
                              **_summary(ft), "floor_us": floor, "kernels": row["kernels"]})
     return rows
 
@@ -220,7 +237,8 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     return rows
 
 
-GROUPS = (("graphattn_graphs", "replay_floor"), ("graphattn_compiled_graphs",),
+GROUPS = (("graphattn_graphs", "replay_floor"),
+          ("graphattn_compiled_graphs", "replay_floor_compiled"),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -262,7 +280,7 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
             runner.graphs.keep_graphs = True  # node counts
             report = runner.capture(progress=False)
             out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
-                            wbytes, np.random.default_rng(1)))
+                            wbytes, np.random.default_rng(1), modes))
         except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
             out([_error(mode, e)])
     if set(HANDWRITTEN) & set(modes):

@@ -72,6 +72,7 @@ class GraphDispatcher:
             self.mixed_token_sizes = ()
         if not self.mode.has_full:
             self.capture_sizes_allowed = False
+        self._memo: dict[tuple[int, int, int, bool], GraphKey | None] = {}
 
     @classmethod
     def from_policy(cls, policy: BucketPolicy, max_model_len: int,
@@ -156,6 +157,17 @@ class GraphDispatcher:
                 f"{num_reqs * self.decode_query_len} tokens, got {num_tokens}"
             )
         bucket = self.length_buckets.bucket(max_seq_len)
+        memo = (num_reqs, num_tokens, bucket, uniform_decode)
+        try:
+            return self._memo[memo]
+        except KeyError:
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            key = self._memo[memo] = self._pick(num_reqs, num_tokens, bucket, uniform_decode)
+            return key
+
+    def _pick(self, num_reqs: int, num_tokens: int, bucket: int,
+              uniform_decode: bool) -> GraphKey | None:
         if uniform_decode and self.capture_sizes_allowed:
             r = pad_to_capture_size(num_reqs, self.capture_sizes)
             if r is not None:

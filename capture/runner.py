@@ -622,9 +622,7 @@ class GraphRunner:
                 self.slot_drafts[to_device(sched.req_slots.astype(np.int64), st.device)] = (
                     drafts.to(st.device, torch.int64))
         # the mirror advances with the device work: rolled back below if that work never ran
-        rows = sched.req_slots
-        saved = st.num_computed_tokens_np[rows].copy(), st.num_pending_drafts_np[rows].copy()
-        st.advance_mirror(sched)
+        st.advance_mirror(sched, shape.seq_lens_upper_bound)
         self._device_advanced = False
         try:
             with prof.range("replay" if replayed else "eager", key):
@@ -637,13 +635,13 @@ class GraphRunner:
                         outs = self._device_step(packed, plan, None)
                     outs = tuple(o[: sched.num_reqs] for o in outs)
                 else:
-                    outs = self.graphs.replay(key, {"packed": plan.packed}, sched.num_reqs)
+                    outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs)
                     self._device_advanced = True
-            self._staging.release(plan.packed)  # its copy to the device is enqueued
+            # its copy to the device is enqueued
+            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan)
         except BaseException:
             if not self._device_advanced:
-                st.num_computed_tokens_np[rows], st.num_pending_drafts_np[rows] = saved
-                st.num_steps -= 1
+                st.rewind_mirror(sched)
             raise
         with prof.range("postprocess"):
             host = self._outputs.push(outs[1])

@@ -60,6 +60,8 @@ class BatchPlan:
         int32 [num_tokens_padded]: the draft token id at each draft token, -1 elsewhere.
     query_start_loc_cpu, seq_lens_cpu_upper_bound : torch.Tensor
         int32 CPU views of the arrays above.
+    packed_np : np.ndarray
+        int32 [packed size]: `packed` as numpy (every array above is a view of it).
     """
 
     num_reqs: int
@@ -78,6 +80,7 @@ class BatchPlan:
     draft_ids_np: np.ndarray = field(init=False)
     query_start_loc_cpu: torch.Tensor = field(init=False)
     seq_lens_cpu_upper_bound: torch.Tensor = field(init=False)
+    packed_np: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_reqs <= self.num_reqs_padded:
@@ -97,6 +100,7 @@ class BatchPlan:
                 f"torch.int32 ({sum(sizes)},)"
             )
         flat, views, at = self.packed.numpy(), [], 0
+        self.packed_np = flat
         for n in sizes:  # the segment views, sliced directly (np.split costs more than the rest)
             views.append(flat[at : at + n])
             at += n
@@ -185,8 +189,10 @@ def plan_batch(
         int [sum(sched.num_draft_tokens)]: the drafts of every row, rows in batch
         order; row r's drafts are its query tokens 1 .. num_draft_tokens[r].
     staging : StagingRing, optional
-        Where the packed buffer comes from (the caller releases it after its copy);
-        default a fresh pinned buffer.
+        Where the plan comes from: a reused plan of these padded sizes whose packed
+        buffer no copy in flight reads (the caller releases it, keyed by
+        ``(num_reqs_padded, num_tokens_padded)``, once its copy is enqueued, and drops
+        it then); default a fresh plan and pinned buffer.
 
     Raises
     ------
@@ -196,7 +202,7 @@ def plan_batch(
     """
     if shape is None:
         shape = state.batch_shape(sched)
-    num_reqs = sched.num_reqs
+    num_reqs = shape.num_reqs
     num_tokens = shape.num_tokens
     reqs_p = num_reqs if num_reqs_padded is None else num_reqs_padded
     toks_p = num_tokens if num_tokens_padded is None else num_tokens_padded
@@ -204,34 +210,44 @@ def plan_batch(
         raise ValueError(f"num_reqs_padded = {reqs_p} is below num_reqs = {num_reqs}")
     if toks_p < num_tokens:
         raise ValueError(f"num_tokens_padded = {toks_p} is below num_tokens = {num_tokens}")
-    size = sum(_packed_sizes(reqs_p, toks_p))
-    packed = (staging.take(size, torch.int32) if staging is not None
-              else staging_buffer(size, torch.int32, state.device))
-    plan = BatchPlan(num_reqs, reqs_p, num_tokens, toks_p, packed,
-                     seq_lens_exact=not state.num_pending_drafts_np[sched.req_slots].any())
-    plan.req_slots_np[:num_reqs] = sched.req_slots
-    plan.num_scheduled_tokens_np[:num_reqs] = sched.num_scheduled_tokens
-    plan.num_scheduled_tokens_np.cumsum(out=plan.query_start_loc_np[1:])
-    plan.seq_lens_cpu_upper_bound_np[:num_reqs] = shape.seq_lens_upper_bound
-    req_idx = plan.req_indices_np[:num_tokens]
-    req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
-    np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],
-                out=plan.token_offsets_np[:num_tokens])
-    plan.draft_ids_np[:] = -1
     drafts = sched.num_draft_tokens
     if drafts is not None:
-        plan.num_draft_tokens_np[:num_reqs] = drafts
         want = int(drafts.sum())
         got = 0 if draft_token_ids is None else int(np.asarray(draft_token_ids).shape[0])
         if draft_token_ids is not None and got != want:
             raise ValueError(f"draft_token_ids has {got} entries, expected sum(num_draft_tokens)"
                              f" = {want}")
+    elif draft_token_ids is not None and len(draft_token_ids):
+        raise ValueError("draft_token_ids given but sched.num_draft_tokens is None")
+
+    def make() -> BatchPlan:
+        size = sum(_packed_sizes(reqs_p, toks_p))
+        return BatchPlan(0, reqs_p, 0, toks_p, staging_buffer(size, torch.int32, state.device),
+                         True)
+
+    plan = make() if staging is None else staging.take((reqs_p, toks_p), make)
+    plan.num_reqs, plan.num_tokens = num_reqs, num_tokens
+    plan.seq_lens_exact = not state.num_pending_drafts_np[sched.req_slots].any()
+    flat = plan.packed_np
+    flat[: flat.shape[0] - toks_p] = 0
+    plan.draft_ids_np[:] = -1
+    plan.req_slots_np[:num_reqs] = sched.req_slots
+    plan.num_scheduled_tokens_np[:num_reqs] = sched.num_scheduled_tokens
+    plan.num_scheduled_tokens_np.cumsum(out=plan.query_start_loc_np[1:])
+    plan.seq_lens_cpu_upper_bound_np[:num_reqs] = shape.seq_lens_upper_bound
+    req_idx = plan.req_indices_np[:num_tokens]
+    if num_tokens == num_reqs:  # one token per row: row t, offset 0
+        req_idx[:] = plan.query_start_loc_np[:num_tokens]
+    else:
+        req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
+        np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],
+                    out=plan.token_offsets_np[:num_tokens])
+    if drafts is not None:
+        plan.num_draft_tokens_np[:num_reqs] = drafts
         if draft_token_ids is not None and want:
             off = plan.token_offsets_np[:num_tokens]
             is_draft = (off >= 1) & (off <= drafts[req_idx])
             plan.draft_ids_np[:num_tokens][is_draft] = draft_token_ids
-    elif draft_token_ids is not None and len(draft_token_ids):
-        raise ValueError("draft_token_ids given but sched.num_draft_tokens is None")
     return plan
 
 

@@ -147,6 +147,10 @@ class BatchShape:
         """
         bound = np.add(num_computed_tokens_cpu[req_slots], num_scheduled_tokens, dtype=np.int64)
         n = int(req_slots.shape[0])
-        uniform = n > 0 and bool((num_scheduled_tokens == decode_query_len).all())
-        return cls(n, int(num_scheduled_tokens.sum()), int(bound.max(initial=0)), uniform,
-                   bound)
+        if not n:
+            return cls(0, 0, 0, False, bound)
+        tokens = int(num_scheduled_tokens.sum())
+        # every row has q tokens iff they sum to n q and none has more
+        uniform = tokens == n * decode_query_len and int(
+            num_scheduled_tokens.max()) == decode_query_len
+        return cls(n, tokens, int(bound.max()), uniform, bound)

@@ -119,6 +119,9 @@ class RequestState:
         int32 [max_num_reqs, max_num_blocks_per_req] on `device`.
     num_blocks_np : np.ndarray
         int32 [max_num_reqs]: blocks each request owns.
+    capacity_np : np.ndarray
+        int64 [max_num_reqs]: tokens a request may reach now, min(its blocks x
+        block_size, max_model_len); -1 for a free slot (kept by add / append / remove).
     generation_np : np.ndarray
         int64 [max_num_reqs]: a number no other request of this state had,
         given at admission (late feedback of a slot's previous occupant is told
@@ -162,6 +165,7 @@ class RequestState:
         self.generation_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.last_feedback_step_np = np.full(max_num_reqs, -1, dtype=np.int64)
         self.active_np = np.zeros(max_num_reqs, dtype=bool)
+        self.capacity_np = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_steps = 0
         self._next_generation = 1
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
@@ -220,6 +224,7 @@ class RequestState:
         self._next_generation += 1
         self.last_feedback_step_np[slot] = -1
         self.num_blocks_np[slot] = blocks.shape[0]
+        self._set_capacity(slot)
         self.block_table_np[slot] = self.num_kv_blocks
         self.block_table_np[slot, : blocks.shape[0]] = blocks
         self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
@@ -271,7 +276,12 @@ class RequestState:
         n = blocks.shape[0]
         self.block_table_np[slot, have : have + n] = blocks
         self.num_blocks_np[slot] = have + n
+        self._set_capacity(slot)
         self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
+
+    def _set_capacity(self, slot: int) -> None:
+        self.capacity_np[slot] = min(int(self.num_blocks_np[slot]) * self.block_size,
+                                     self.max_model_len)
 
     def remove_request(self, req_id: str) -> int:
         """Free the slot of `req_id` and return it."""
@@ -283,6 +293,7 @@ class RequestState:
         self.num_prompt_tokens_np[slot] = 0
         self.num_pending_drafts_np[slot] = 0
         self.num_blocks_np[slot] = 0
+        self.capacity_np[slot] = -1
         return slot
 
     def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -308,22 +319,22 @@ class RequestState:
             A slot out of range or free, or a row that would pass max_model_len.
         """
         slots = sched.req_slots
-        if sched.num_reqs:
-            # one reduction: a negative int32 slot is >= 2**31 as uint32
-            if int(slots.astype(np.int32, copy=False).view(np.uint32).max()) >= self.max_num_reqs:
-                raise ValueError(
-                    f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
-                    f"max {slots.max()}"
-                )
-            inactive = ~self.active_np[slots]
-            if inactive.any():
-                raise ValueError(f"req_slots {slots[inactive].tolist()} hold no request")
+        # one reduction: a negative int32 slot is >= 2**31 as uint32
+        top = slots.astype(np.int32, copy=False).view(np.uint32).max(initial=0)
+        if int(top) >= self.max_num_reqs:
+            raise ValueError(
+                f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
+                f"max {slots.max()}"
+            )
         shape = BatchShape.of(self.num_computed_tokens_np, slots, sched.num_scheduled_tokens,
                               decode_query_len)
         ends = shape.seq_lens_upper_bound
-        room = self.num_blocks_np[slots].astype(np.int64) * self.block_size
-        if not (ends > np.minimum(room, self.max_model_len)).any():
-            return shape  # the common case: one check for both limits
+        # one check for free slots, blocks and max_model_len (capacity: -1 when free)
+        if not (ends > self.capacity_np[slots]).any():
+            return shape
+        inactive = ~self.active_np[slots]
+        if inactive.any():
+            raise ValueError(f"req_slots {slots[inactive].tolist()} hold no request")
         over = ends > self.max_model_len
         if over.any():
             i = int(np.argmax(over))
@@ -332,23 +343,36 @@ class RequestState:
                 f"{sched.num_scheduled_tokens[i]} = {ends[i]} exceeds max_model_len "
                 f"{self.max_model_len}"
             )
-        short = ends > room
-        if short.any():
-            i = int(np.argmax(short))
-            req = next((r for r, s in self.req_id_to_slot.items() if s == slots[i]), "?")
-            raise ValueError(
-                f"request {req!r} (slot {slots[i]}): {ends[i]} tokens after this step, but its "
-                f"{self.num_blocks_np[slots[i]]} blocks hold {room[i]}; append_blocks first"
-            )
-        return shape
+        room = self.num_blocks_np[slots].astype(np.int64) * self.block_size
+        i = int(np.argmax(ends > room))
+        req = next((r for r, s in self.req_id_to_slot.items() if s == slots[i]), "?")
+        raise ValueError(
+            f"request {req!r} (slot {slots[i]}): {ends[i]} tokens after this step, but its "
+            f"{self.num_blocks_np[slots[i]]} blocks hold {room[i]}; append_blocks first"
+        )
 
-    def advance_mirror(self, sched: SchedulerOutput) -> None:
-        """CPU half of `postprocess`: advance the mirror optimistically (numpy only)."""
+    def advance_mirror(self, sched: SchedulerOutput, bound: np.ndarray | None = None) -> None:
+        """CPU half of `postprocess`: advance the mirror optimistically (numpy only).
+
+        `bound`: the schedule's `BatchShape.seq_lens_upper_bound` when the caller has it
+        (the mirror's new values).
+        """
         slots = sched.req_slots
-        self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
+        if bound is None:
+            self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
+        else:
+            self.num_computed_tokens_np[slots] = bound
         if sched.num_draft_tokens is not None:
             self.num_pending_drafts_np[slots] += sched.num_draft_tokens
         self.num_steps += 1
+
+    def rewind_mirror(self, sched: SchedulerOutput) -> None:
+        """Undo `advance_mirror(sched)` (a step whose device work was never enqueued)."""
+        slots = sched.req_slots  # unique: the fancy-indexed updates invert exactly
+        self.num_computed_tokens_np[slots] -= sched.num_scheduled_tokens
+        if sched.num_draft_tokens is not None:
+            self.num_pending_drafts_np[slots] -= sched.num_draft_tokens
+        self.num_steps -= 1
 
     def resync(self) -> None:
         """Set the CPU mirror to the device truth: one explicit, documented host sync.

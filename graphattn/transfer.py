@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 __all__ = ["StagingRing", "staging_buffer", "to_device"]
+
+T = TypeVar("T")
 
 
 def staging_buffer(size: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -57,58 +60,59 @@ def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> t
 
 
 class StagingRing:
-    """A fixed ring of pinned staging buffers, each guarded by the event of the copy that
-    read it.
+    """A fixed ring of reusable host objects (pinned staging buffers, or plans holding
+    one) per key, each guarded by an event recorded once the copies reading it are
+    enqueued.
 
-    `take` returns a zeroed buffer whose previous host-to-device copy has finished: a free
-    one when an event query says so, a new one while fewer than `depth` exist for that
-    (size, dtype), else the oldest one after waiting on its event (back-pressure: the host
-    is then `depth` steps ahead of the GPU, and never allocates pinned memory in the
-    steady state). `release` hands a buffer back after its copy was enqueued. Off CUDA
-    `take` is `staging_buffer` and `release` does nothing.
+    `take` returns an object of `key` whose previous host-to-device copy has finished: a
+    free one when an event query says so, a new one from `make()` while fewer than
+    `depth` exist for that key, else the oldest one after waiting on its event
+    (back-pressure: the host is then `depth` steps ahead of the GPU, and never allocates
+    pinned memory in the steady state). The caller refills it whole. `release` hands it
+    back after its copy was enqueued. Off CUDA `take` is `make()` and `release` does
+    nothing.
 
     Parameters
     ----------
     device : torch.device or str
     depth : int
-        Buffers per (size, dtype).
+        Objects per key.
     """
 
     def __init__(self, device: torch.device | str, depth: int = 8) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self.depth = depth
-        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
-        self._count: dict[tuple[int, torch.dtype], int] = {}
+        self._free: dict[Hashable, list[tuple[Any, Any]]] = {}
+        self._count: dict[Hashable, int] = {}
+        self._events: dict[int, Any] = {}  # id(object) -> its event
         self.num_allocated = 0
 
-    def take(self, size: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed 1-D CPU buffer of `size` elements (pinned on CUDA)."""
+    def take(self, key: Hashable, make: Callable[[], T]) -> T:
+        """An object of `key` that no copy in flight reads (its old contents kept)."""
         if not self.cuda:
-            return staging_buffer(size, dtype, "cpu")
-        key = (size, dtype)
+            return make()
         pool = self._free.setdefault(key, [])  # oldest release first
-        for i, (buf, event) in enumerate(pool):
+        for i, (obj, event) in enumerate(pool):
             if event.query():
                 del pool[i]
-                return buf.zero_()
+                return obj
         if self._count.get(key, 0) < self.depth or not pool:
             self._count[key] = self._count.get(key, 0) + 1
             self.num_allocated += 1
-            return self._alloc(size, dtype)
-        buf, event = pool.pop(0)
+            obj = make()
+            self._events[id(obj)] = self._event()
+            return obj
+        obj, event = pool.pop(0)
         event.synchronize()  # the host is `depth` steps ahead: wait for the oldest copy
-        return buf.zero_()
-
-    def _alloc(self, size: int, dtype: torch.dtype) -> torch.Tensor:
-        return staging_buffer(size, dtype, "cuda")
+        return obj
 
     def _event(self) -> Any:
         return torch.cuda.Event()
 
-    def release(self, buf: torch.Tensor) -> None:
-        """Give `buf` back once the copies reading it are enqueued on the current stream."""
+    def release(self, key: Hashable, obj: Any) -> None:
+        """Give `obj` back once the copies reading it are enqueued on the current stream."""
         if not self.cuda:
             return
-        event = self._event()
+        event = self._events[id(obj)]
         event.record()
-        self._free.setdefault((buf.shape[0], buf.dtype), []).append((buf, event))
+        self._free[key].append((obj, event))

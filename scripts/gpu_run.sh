@@ -4,7 +4,7 @@
 #   tests          pytest -m cuda (cuda_tests.txt)
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
-#   tune           scripts/tune_attention.py (launch configs of the Triton kernel)
+#   tune           scripts/tune_attention.py (launch configs of the Triton kernel; TUNE_ARGS)
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
 #   profile        scripts/kernel_profile.py, tiny 1/512 and 128/2048 (own processes;
@@ -25,14 +25,14 @@ rc=0
 for part in "$@"; do
   case $part in
     tests)
-      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -m cuda ${TEST_K:+-k "$TEST_K"} \
-        -p no:cacheprovider -rfEs \
-        --durations=10 2>&1 | tee "$OUT/cuda_tests.txt"
+      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest ${TEST_PATHS:-tests} -m cuda \
+        ${TEST_K:+-k "$TEST_K"} -p no:cacheprovider -rfEs -v \
+        --durations=25 2>&1 | tee -a "$OUT/cuda_tests.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     replay-*)
       m=${part#replay-}
       python3 -m bench.graph_replay --models "$m" --steps "${STEPS:-100}" --out "$OUT" --sizes "${SIZES:-1,8,32,128}" \
-        --modes "${MODES:-graphattn_graphs,graphattn_compiled_graphs,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor,attention}" \
+        --modes "${MODES:-graphattn_graphs,graphattn_compiled_graphs,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor,replay_floor_compiled,attention}" \
         2>&1 | tee "$OUT/graph_replay_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     compile-*)
@@ -41,7 +41,7 @@ for part in "$@"; do
         | tee "$OUT/compile_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     tune)
-      python3 scripts/tune_attention.py --out "$OUT" 2>&1 | tee "$OUT/tune_attention.txt"
+      python3 scripts/tune_attention.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     serving)
       python3 -m bench.serving --device cuda --dtype "${SERVING_DTYPE:-bfloat16}" \

@@ -2,7 +2,8 @@
 CUDA events, median), report effective KV bandwidth; the defaults in graphattn.backends.ops
 come from this table.
 
-    python scripts/tune_attention.py [--out DIR]
+    python scripts/tune_attention.py [--out DIR] [--models tiny,1b] [--shapes 1:2048,128:512]
+                                     [--bucket] [--quick] [--tag NAME]
 """
 
 import argparse
@@ -37,15 +38,24 @@ def time_us(fn, reps=30):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--models", default="tiny,1b")
+    ap.add_argument("--shapes", default="1:2048,8:2048,32:2048,128:2048,128:512",
+                    help="batch:length pairs")
+    ap.add_argument("--bucket", action="store_true",
+                    help="bound = bench.graph_replay's length bucket (a power of two above "
+                         "the lengths), not the longest length")
+    ap.add_argument("--quick", action="store_true", help="4 warps, 2 stages only")
+    ap.add_argument("--tag", default="", help="writes tune_attention{_tag}.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    configs = [TritonConfig(bn, w, s, wv) for bn, w, s, wv in
-               itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4))]
-    for name, (h, hkv, d) in SHAPES.items():
-        for batch, length in ((1, 2048), (8, 2048), (32, 2048), (128, 2048), (128, 512)):
-            if name == "tiny" and batch in (8, 32):
-                continue
+    grid = ((32, 64, 128), (4,), (2,), (1, 2, 4)) if args.quick else (
+        (32, 64, 128), (4, 8), (2, 3), (1, 2, 4))
+    configs = [TritonConfig(bn, w, s, wv) for bn, w, s, wv in itertools.product(*grid)]
+    shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
+    for name in args.models.split(","):
+        h, hkv, d = SHAPES[name]
+        for batch, length in shapes:
             bs = 16
             nblk = -(-(length + 16) // bs)
             kc, vc = (torch.randn(batch * nblk + 1, bs, hkv, d, device="cuda",
@@ -62,8 +72,9 @@ def main():
                 if cfg.waves > 1 and batch * hkv >= 132 * cfg.waves:
                     continue
                 try:
+                    bound = 1 << (length + 86).bit_length() if args.bucket else nblk * bs
                     us = time_us(functools.partial(_triton_attention, q, kc, vc, qsl, seq, bt,
-                                                   d ** -0.5, 1, nblk * bs, 0, 0.0, None, cfg))
+                                                   d ** -0.5, 1, bound, 0, 0.0, None, cfg))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(name, batch, cfg, "failed", type(e).__name__)
                     continue
@@ -75,7 +86,8 @@ def main():
                     best = row
             print("best", best, flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, "tune_attention.json").write_text(json.dumps(rows, indent=1))
+    name = f"tune_attention{'_' + args.tag if args.tag else ''}.json"
+    Path(args.out, name).write_text(json.dumps(rows, indent=1))
     # the config with the best worst-case ratio to each shape's best
     bests = {}
     for r in rows:

@@ -120,18 +120,16 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 
 def split_plan(rows: int, num_kv_heads: int, max_len: int, block_n: int,
-               num_sms: int = 132, waves: int = 2) -> tuple[int, int]:
-    """(num_splits, split_len) of the KV axis from CPU numbers only.
+               num_sms: int = 132, waves: int = 2) -> int:
+    """Splits of each row's KV axis from CPU numbers only.
 
-    Enough programs to fill about `waves` waves of the chip, each split at least
-    `block_n` keys long (split_len a multiple of block_n).
+    Enough programs to fill about `waves` waves of the chip, at most one split per
+    `block_n` keys of `max_len` (the bound). The kernel cuts each row's own length,
+    read on the device, into that many equal parts.
     """
-    max_len = max(max_len, 1)
     want = max(1, -(-waves * num_sms // max(rows * num_kv_heads, 1)))
-    most = max(1, -(-max_len // block_n))
-    splits = min(want, most, 64)
-    split_len = -(-max_len // (splits * block_n)) * block_n
-    return -(-max_len // split_len), split_len
+    most = max(1, -(-max(max_len, 1) // block_n))
+    return min(want, most, 64)
 
 
 def _pow2(n: int) -> int:
@@ -207,12 +205,12 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cfg = config or (decode_config(rows * hkv) if uniform_query_len else PREFILL_CONFIG)
     block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
     num_tiles = t // block_q + rows
-    num_splits, split_len = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
-                                       cfg.waves) if uniform_query_len else (1, max(max_len, 1))
+    num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
+                            cfg.waves) if uniform_query_len else 1
     use_sinks = sinks is not None
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)),
                   DV_PAD=max(16, _pow2(dv)), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-                  PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0,
+                  PAGE=k_cache.shape[1], USE_SOFTCAP=softcap > 0,
                   USE_WINDOW=window > 0, USE_SINKS=use_sinks, WRITE_LSE=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
@@ -225,10 +223,10 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     sink_arg = sinks if use_sinks else out
     unified_attention_kernel[(num_tiles, hkv, num_splits)](
         out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        sink_arg, scale, softcap if softcap > 0 else 1.0, window, split_len, rows, h, t,
+        sink_arg, scale, softcap if softcap > 0 else 1.0, window, rows, h, t, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), **common)
+        out.stride(0), out.stride(1), SPLIT=num_splits > 1, **common)
     if num_splits > 1:
         merge_splits_kernel[(t, h)](
             out, out, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),

@@ -4,8 +4,9 @@ One unified kernel serves decode, spec-decode verify and prefill rows in any
 mix: a program owns a tile of BLOCK_Q query tokens of one row times the G
 query heads of one KV head (GQA is packed into the M axis of the tile), reads
 K/V straight through the block table in the cache dtype, accumulates in
-fp32 with an online softmax, and optionally splits the KV axis into
-NUM_SPLITS segments merged by their log-sum-exp.
+fp32 with an online softmax, and optionally (SPLIT) cuts each row's KV range
+into num_splits equal segments (from the row's device length) merged by their
+log-sum-exp.
 
 Every launch parameter (grid, tile sizes, splits) comes from CPU numbers
 (padded sizes and the key's length bucket); the loop bounds come from the
@@ -40,8 +41,8 @@ def _find_row(query_start_loc, num_rows, tile, BLOCK_Q: tl.constexpr):
 def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
-    scale, softcap, window, split_len,
-    num_rows, num_heads, num_tokens,
+    scale, softcap, window,
+    num_rows, num_heads, num_tokens, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -50,7 +51,7 @@ def unified_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
@@ -60,7 +61,7 @@ def unified_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)
     dv_ok = offs_dv < HEAD_DIM_V
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # tokens past the last row's belong to no tile; tile i zeroes those in its own range
         # [i * BLOCK_Q, (i + 1) * BLOCK_Q) (the tiles' ranges cover every token), so the
         # output needs no fill first
@@ -94,10 +95,17 @@ def unified_attention_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
-    seg_lo = split * split_len
-    seg_hi = seg_lo + split_len
-    start = tl.maximum(kv_lo, seg_lo) // BLOCK_N * BLOCK_N
-    stop = tl.minimum(kv_hi, seg_hi)
+    if not SPLIT:
+        seg_lo = kv_lo
+        stop = kv_hi
+    else:
+        # the row's own key range in num_splits equal parts (whole BLOCK_N tiles): the
+        # split count comes from CPU bounds, the parts from the device length, so an
+        # over-estimated bucket costs empty programs, never a longer critical path
+        part = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        seg_lo = kv_lo + split * part
+        stop = tl.minimum(kv_hi, seg_lo + part)
+    start = seg_lo // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -133,7 +141,7 @@ def unified_attention_kernel(
         m_i = m_new
 
     # m_i, l_i are in log2 units from here on
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         if USE_SINKS:
             sink = tl.load(sinks + head, mask=m_ok, other=float("-inf")) * 1.4426950408889634
             m_tot = tl.maximum(m_i, sink)
@@ -150,7 +158,7 @@ def unified_attention_kernel(
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        base = (tok * num_heads + head) * NUM_SPLITS + split
+        base = (tok * num_heads + head) * num_splits + split
         tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
                  mask=m_ok[:, None] & dv_ok[None, :])
         tl.store(part_lse + base, lse2, mask=m_ok)
