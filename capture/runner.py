@@ -155,7 +155,9 @@ class _OutputRing:
         # a loop that reads tokens a step late never waits here
         self.events[i].synchronize()
         self.versions[i] += 1
-        self.host[i][: values.shape[0]].copy_(values.long(), non_blocking=True)
+        if values.dtype != torch.int64:
+            values = values.long()
+        self.host[i][: values.shape[0]].copy_(values, non_blocking=True)
         self.events[i].record()
         return TokenFuture(values, self, i, self.versions[i])
 

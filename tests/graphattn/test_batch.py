@@ -5,6 +5,7 @@ import torch
 from graphattn.batch import BatchPlan, assemble_batch, plan_batch, prepare_inputs
 from graphattn.state import SchedulerOutput
 from graphattn.sync import no_host_sync
+from graphattn.transfer import StagingRing
 from tests.helpers import two_request_batch, two_request_state
 
 
@@ -106,3 +107,28 @@ def test_plan_is_cpu_only_and_validated():
         BatchPlan(2, 4, 9, 12, torch.zeros(5, dtype=torch.int32), True)
     with pytest.raises(ValueError, match="num_tokens = 13, expected in"):
         BatchPlan(2, 4, 13, 12, plan.packed, True)
+
+
+class _DoneEvent:
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def test_a_reused_plan_is_refilled_whole():
+    """Plans come back from the staging ring with the last schedule's values: every field
+    of the next plan of the same padded sizes is rewritten (drafts, offsets, padding)."""
+    st = two_request_state()
+    ring = StagingRing("cpu")
+    ring.cuda, ring._event = True, _DoneEvent  # the CUDA reuse, with host buffers
+    spec = SchedulerOutput(np.array([1, 0]), np.array([3, 2]), np.array([2, 1]))
+    first = plan_batch(st, spec, 4, 12, draft_token_ids=np.array([7, 8, 9]), staging=ring)
+    ring.release((4, 12), first)
+    plain = SchedulerOutput(np.array([0]), np.array([1]))
+    again = plan_batch(st, plain, 4, 12, staging=ring)
+    fresh = plan_batch(st, plain, 4, 12)
+    assert again is first and torch.equal(again.packed, fresh.packed)
+    assert again.draft_ids_np.tolist() == [-1] * 12 and again.num_draft_tokens_np.sum() == 0
+    assert (again.num_reqs, again.num_tokens, again.seq_lens_exact) == (1, 1, True)
