@@ -86,3 +86,13 @@ def test_capture_sizes_no_batch_can_reach_are_dropped(max_num_reqs, top):
     assert max(d.capture_sizes) == top
     assert d.capture_sizes == tuple(s for s in default_capture_sizes(512) if s <= top)
     assert d.dispatch(max_num_reqs, max_num_reqs, 100, True) is not None or max_num_reqs > 512
+
+
+def test_dispatch_is_memoized_and_bounded():
+    d = disp()
+    first = d.dispatch(3, 3, 40, True)
+    assert d.dispatch(3, 3, 41, True) is first  # same counts and bucket: the same key object
+    assert d.dispatch(3, 3, 100, True) == GraphKey(4, 4, 128, True)  # another bucket
+    for n in range(5000):  # a stream of distinct mixed shapes never grows it past its bound
+        d.dispatch(1, 1 + n % 32, n % 128, False)
+    assert len(d._memo) <= 4096

@@ -83,6 +83,16 @@ def test_check_schedule():
         st.check_schedule(SchedulerOutput(np.array([0]), np.array([65])))
 
 
+def test_capacity_follows_blocks_and_slots():
+    st = make_state()
+    a = st.add_request("a", 10, [0, 1, 2])  # 3 blocks of 4 tokens
+    assert st.capacity_np[a] == 12 and st.capacity_np[1] == -1  # a free slot: -1
+    st.append_blocks("a", range(3, 16))  # 16 blocks hold 64 = max_model_len
+    assert st.capacity_np[a] == 64
+    st.remove_request("a")
+    assert st.capacity_np[a] == -1
+
+
 def test_postprocess_advances_mirror_and_device():
     st = make_state()
     st.add_request("a", 10, [0, 1, 2])
