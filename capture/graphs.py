@@ -307,11 +307,17 @@ class CUDAGraphManager:
             self.num_eager += 1
             return _slice_outputs(self.forward(dict(inputs), key), out_rows)
         self._copy_in(key, cap.inputs, inputs)
+        return self._run(key, cap, out_rows)
+
+    def _run(self, key: GraphKey, cap: _Captured, out_rows: int) -> Outputs:
+        """Replay `cap` (its inputs copied in) and return its first `out_rows` output rows."""
         self.num_replays += 1
         if cap.graph is None:
             return _slice_outputs(self.forward(cap.inputs, key), out_rows)
         cap.graph.replay()
-        return _slice_outputs(cap.outputs, out_rows)
+        if cap.sliced is None or cap.sliced[0] != out_rows:  # views of the static outputs
+            cap.sliced = (out_rows, _slice_outputs(cap.outputs, out_rows))
+        return cap.sliced[1]
 
     def replay_packed(self, key: GraphKey, name: str, src: torch.Tensor,
                       out_rows: int) -> Outputs:
@@ -325,13 +331,7 @@ class CUDAGraphManager:
             raise ValueError(f"input {name!r}: got {src.dtype} {tuple(src.shape)}, expected "
                              f"{dst.dtype} {tuple(dst.shape)} for {key}")
         dst.copy_(src, non_blocking=True)
-        self.num_replays += 1
-        if cap.graph is None:
-            return _slice_outputs(self.forward(cap.inputs, key), out_rows)
-        cap.graph.replay()
-        if cap.sliced is None or cap.sliced[0] != out_rows:  # views of the static outputs
-            cap.sliced = (out_rows, _slice_outputs(cap.outputs, out_rows))
-        return cap.sliced[1]
+        return self._run(key, cap, out_rows)
 
     def replay_only(self, key: GraphKey) -> None:
         """Replay `key`'s graph with whatever its buffers hold (the benchmark floor)."""
