@@ -414,20 +414,28 @@ class GraphRunner:
             meta = self.builder.build(build_common_metadata(batch), key)
         spec = self.dispatcher.decode_query_len > 1 and (
             key is None or not key.uniform_decode or key.query_len > 1)
+        # one token per row, row r's at index r: the logits need no gather
+        single = (key is not None and key.uniform_decode
+                  and key.num_tokens_padded == key.num_reqs_padded)
         if compiled:
-            outs = self.compiler(batch, meta, spec)
+            outs = self.compiler(batch, meta, spec, single)
         else:
-            outs = self._run(batch, meta, spec, self.piecewise if piecewise else self.forward)
+            outs = self._run(batch, meta, spec, single,
+                             self.piecewise if piecewise else self.forward)
         self._device_advanced = True
         return outs
 
-    def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool) -> tuple[torch.Tensor, ...]:
-        return self._run(batch, meta, spec, self.forward)
+    def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
+                      single: bool) -> tuple[torch.Tensor, ...]:
+        return self._run(batch, meta, spec, single, self.forward)
 
-    def _run(self, batch: InputBatch, meta: Any, spec: bool,
+    def _run(self, batch: InputBatch, meta: Any, spec: bool, single: bool,
              forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Token ids in, forward, sampling, verification, write-back and the truth's advance
         (pure device work on `batch` and `meta`: compiled with the forward when compile=True).
+        `single`: every row has one token, row r's at index r (a key's uniform decode), so
+        the logits are the forward's own rows (no gather: at 128 rows of a 128K vocabulary
+        that copy is 32 MiB).
         """
         st = self.state
         ids = self.token_ids[batch.token_slots, batch.positions]
@@ -464,8 +472,10 @@ class GraphRunner:
         seq = batch.seq_lens.long()
         width = self.dispatcher.decode_query_len
         if not spec:
-            out_idx = (qsl[1:] - 1).clamp(min=0)
-            logits = logits_all[out_idx]
+            if single:
+                logits = logits_all[: qsl.shape[0] - 1]
+            else:
+                logits = logits_all[(qsl[1:] - 1).clamp(min=0)]
             sampled, logprobs = self._sample(logits, batch.req_slots, seq)
             rejected = torch.zeros_like(batch.num_scheduled)
             emitted = sampled[:, None] if width == 1 else torch.cat(  # a view: no launch

@@ -63,6 +63,8 @@ case(4, [1, 1, 1, 1], [100, 3, 250, 64], 8, 2, 32, 16, uniform=1, sinks=True, so
      window=40)
 case(2, [3, 3], [40, 90], 4, 1, 16, 8, uniform=3)
 case(2, [2, 9], [0, 12], 6, 3, 24, 4)
+case(1, [1], [700], 4, 1, 16, 16, uniform=1, sinks=True)  # 8 splits, some empty
+case(2, [1, 2], [40, 70], 2, 1, 600, 16)  # wide heads (an MLA-like width)
 
 # write kernel
 from graphattn.backends.triton_kernels import write_kv_kernel  # noqa: E402

@@ -71,10 +71,14 @@ def decode_config(programs: int) -> TritonConfig:
     From scripts/tune_attention.py on an H200 (bf16, head_dim 64, GQA 4, lengths 512-2048;
     bench/results/tune_attention.json): few programs split the KV axis over two waves, a
     middling count wants longer key tiles, and past about six waves no split and 64-key tiles
-    read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048).
+    read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048). From 32 programs, 128-key tiles
+    over four waves (tune_attention_bucket.json: 13.6 against 15.7 µs at 8 rows x 4 KV heads
+    x 2048).
     """
-    if programs < 64:
+    if programs < 32:
         return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2)
+    if programs < 64:
+        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=4)
     if programs < 6 * 132:
         return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2)
     return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1)
@@ -197,42 +201,42 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if uniform_query_len:  # one tile per row
+    if uniform_query_len:  # one tile per row, program i owns row i
         block_q = _pow2(uniform_query_len)
+        num_tiles = max(rows, -(-t // block_q))
     else:
         block_q = max(1, 64 // _pow2(g))
+        num_tiles = t // block_q + rows
     block_m = max(16, _pow2(block_q * g))
     cfg = config or (decode_config(rows * hkv) if uniform_query_len else PREFILL_CONFIG)
     block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
-    num_tiles = t // block_q + rows
     num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                             cfg.waves) if uniform_query_len else 1
-    use_sinks = sinks is not None
-    common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)),
-                  DV_PAD=max(16, _pow2(dv)), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-                  PAGE=k_cache.shape[1], USE_SOFTCAP=softcap > 0,
-                  USE_WINDOW=window > 0, USE_SINKS=use_sinks, WRITE_LSE=False,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dv_pad = max(16, _pow2(dv))
+    common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
+                  BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
+                  UNIFORM=bool(uniform_query_len), USE_SOFTCAP=softcap > 0,
+                  USE_WINDOW=window > 0, USE_SINKS=sinks is not None, WRITE_LSE=False)
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
     if num_splits == 1:
         part, part_lse = out, out
     else:
-        part = torch.empty(t * h * num_splits, common["DV_PAD"], dtype=torch.float32,
-                           device=q.device)
+        part = torch.empty(t * h * num_splits, dv_pad, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
-    sink_arg = sinks if use_sinks else out
+    sink_arg = sinks if sinks is not None else out
     unified_attention_kernel[(num_tiles, hkv, num_splits)](
         out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         sink_arg, scale, softcap if softcap > 0 else 1.0, window, rows, h, t, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), SPLIT=num_splits > 1, **common)
+        out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **common)
     if num_splits > 1:
         merge_splits_kernel[(t, h)](
             out, out, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
-            out.stride(1),
-            HEAD_DIM_V=dv, DV_PAD=common["DV_PAD"], NUM_SPLITS=num_splits,
-            S_PAD=max(2, _pow2(num_splits)), USE_SINKS=use_sinks, WRITE_LSE=False, num_warps=4)
+            out.stride(1), HEAD_DIM_V=dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits,
+            S_PAD=max(2, _pow2(num_splits)), USE_SINKS=sinks is not None, WRITE_LSE=False,
+            num_warps=4)
     return out
 
 

@@ -51,7 +51,7 @@ def unified_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
@@ -62,22 +62,28 @@ def unified_attention_kernel(
     offs_dv = tl.arange(0, DV_PAD)
     dv_ok = offs_dv < HEAD_DIM_V
     if not SPLIT:
-        # tokens past the last row's belong to no tile; tile i zeroes those in its own range
-        # [i * BLOCK_Q, (i + 1) * BLOCK_Q) (the tiles' ranges cover every token), so the
-        # output needs no fill first
+        # tokens past the last row's belong to no row; tile i zeroes those in its own range
+        # [i * BLOCK_Q, (i + 1) * BLOCK_Q) (the grid covers every token), so the output
+        # needs no fill first
         zt = tile * BLOCK_Q + offs_m // G
         zm = ((offs_m < BLOCK_Q * G) & (zt >= tl.load(query_start_loc + num_rows))
               & (zt < num_tokens))
         tl.store(out + zt[:, None] * stride_ot + (kvh * G + offs_m % G)[:, None] * stride_oh
                  + offs_dv[None, :], tl.zeros([BLOCK_M, DV_PAD], out.dtype.element_ty),
                  mask=zm[:, None] & dv_ok[None, :])
-    row = _find_row(query_start_loc, num_rows, tile, BLOCK_Q)
+    if UNIFORM:  # every row fits one tile: program i owns row i (no search, no empty tiles)
+        if tile >= num_rows:
+            return
+        row = tile
+        local = 0
+    else:
+        row = _find_row(query_start_loc, num_rows, tile, BLOCK_Q)
+        local = tile - (tl.load(query_start_loc + row) // BLOCK_Q + row)
     q_start = tl.load(query_start_loc + row)
     q_len = tl.load(query_start_loc + row + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + row)
+    seq_len = tl.load(seq_lens + row)
     if local * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens + row)
     ctx = seq_len - q_len
 
     t = local * BLOCK_Q + offs_m // G  # query token of the row

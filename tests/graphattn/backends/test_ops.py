@@ -245,8 +245,9 @@ def test_rope_write_kv_agrees_with_its_fake_and_refuses_a_bad_qkv(device):
 
 @pytest.mark.cuda
 def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
-    """With one KV split the output is allocated empty (no memset node): tiles write the
-    padded tokens' zeros. The allocator is handed NaN-filled memory first."""
+    """The output is allocated empty (no memset node): tiles write the padded tokens' zeros,
+    unsplit or split (the merge launch writes them). The allocator is handed NaN-filled memory
+    first."""
     from graphattn.backends.ops import _triton_attention
 
     torch.manual_seed(0)
@@ -258,9 +259,13 @@ def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
     seq = torch.tensor([9, 60, 0, 0], device="cuda", dtype=torch.int32)
     t = 4
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
-    for uniform in (1, 0):
+    ref = ops.gather_paged_attention(q.double(), kc.double(), vc.double(), qsl, seq, bt,
+                                     torch.zeros(t, dtype=torch.int64, device="cuda"),
+                                     d ** -0.5, 0, 1, nblk, 0, 0.0, None)
+    for uniform, waves in ((1, 0), (0, 0), (1, 64)):
         poison = torch.full((t, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
         del poison
         out = _triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, uniform, 64, 0, 0.0, None,
-                                config=ops.TritonConfig(waves=0))
+                                config=ops.TritonConfig(block_n=16, waves=waves))
         assert out[2:].abs().sum().item() == 0 and out[:2].isfinite().all()
+        torch.testing.assert_close(out[:2].double(), ref[:2], rtol=2e-2, atol=2e-2)
