@@ -227,18 +227,22 @@ def plan_batch(
 
     plan = make() if staging is None else staging.take((reqs_p, toks_p), make)
     plan.num_reqs, plan.num_tokens = num_reqs, num_tokens
-    plan.seq_lens_exact = not state.num_pending_drafts_np[sched.req_slots].any()
+    pending = state.num_pending_drafts_np  # the whole table first: no gather without drafts
+    plan.seq_lens_exact = not (pending.any() and pending[sched.req_slots].any())
     flat = plan.packed_np
     flat[: flat.shape[0] - toks_p] = 0
     plan.draft_ids_np[:] = -1
     plan.req_slots_np[:num_reqs] = sched.req_slots
     plan.num_scheduled_tokens_np[:num_reqs] = sched.num_scheduled_tokens
-    plan.num_scheduled_tokens_np.cumsum(out=plan.query_start_loc_np[1:])
     plan.seq_lens_cpu_upper_bound_np[:num_reqs] = shape.seq_lens_upper_bound
+    qsl = plan.query_start_loc_np
     req_idx = plan.req_indices_np[:num_tokens]
-    if num_tokens == num_reqs:  # one token per row: row t, offset 0
-        req_idx[:] = plan.query_start_loc_np[:num_tokens]
+    if num_tokens == num_reqs:  # one token per row: row t, offset 0 (no cumsum)
+        qsl[: num_reqs + 1] = np.arange(num_reqs + 1, dtype=np.int32)
+        qsl[num_reqs + 1 :] = num_reqs
+        req_idx[:] = qsl[:num_tokens]
     else:
+        plan.num_scheduled_tokens_np.cumsum(out=qsl[1:])
         req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
         np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],
                     out=plan.token_offsets_np[:num_tokens])
