@@ -3,7 +3,12 @@ CUDA events, median), report effective KV bandwidth; the defaults in graphattn.b
 come from this table.
 
     python scripts/tune_attention.py [--out DIR] [--models tiny,1b] [--shapes 1:2048,128:512]
-                                     [--bucket] [--quick] [--tag NAME]
+                                     [--bucket] [--quick] [--layers 8] [--tag NAME]
+
+One graph holds `--layers` calls, each on its own cache (as a model's layers: no call reads
+KV another left in L2), and a row's `us` is the graph's time over that count: the launch
+gaps between calls, and the split merge's launch, count as they do in a step; one call per
+graph (`--layers 1`) is dominated by the graph launch. `waves` 0 is the unsplit kernel.
 """
 
 import argparse
@@ -20,11 +25,14 @@ from graphattn.backends.ops import TritonConfig, _triton_attention
 SHAPES = {"tiny": (16, 4, 64), "1b": (32, 8, 64)}
 
 
-def time_us(fn, reps=30):
-    fn()
+def time_us(fns, reps=30):
+    """µs per call of a graph calling each of `fns` once (median over `reps` replays)."""
+    for fn in fns:
+        fn()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for fn in fns:
+            fn()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(reps)]
     for a, b in ev:
@@ -32,7 +40,7 @@ def time_us(fn, reps=30):
         g.replay()
         b.record()
     torch.cuda.synchronize()
-    return float(np.median([1e3 * a.elapsed_time(b) for a, b in ev]))
+    return float(np.median([1e3 * a.elapsed_time(b) for a, b in ev])) / len(fns)
 
 
 def main():
@@ -45,12 +53,13 @@ def main():
                     help="bound = bench.graph_replay's length bucket (a power of two above "
                          "the lengths), not the longest length")
     ap.add_argument("--quick", action="store_true", help="4 warps, 2 stages only")
+    ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--tag", default="", help="writes tune_attention{_tag}.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    grid = ((32, 64, 128), (4,), (2,), (1, 2, 4)) if args.quick else (
-        (32, 64, 128), (4, 8), (2, 3), (1, 2, 4))
+    grid = ((32, 64, 128), (4,), (2,), (0, 1, 2, 4)) if args.quick else (
+        (32, 64, 128), (4, 8), (2, 3), (0, 1, 2, 4))
     configs = [TritonConfig(bn, w, s, wv) for bn, w, s, wv in itertools.product(*grid)]
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
     for name in args.models.split(","):
@@ -58,8 +67,9 @@ def main():
         for batch, length in shapes:
             bs = 16
             nblk = -(-(length + 16) // bs)
-            kc, vc = (torch.randn(batch * nblk + 1, bs, hkv, d, device="cuda",
-                                  dtype=torch.bfloat16) for _ in range(2))
+            caches = [tuple(torch.randn(batch * nblk + 1, bs, hkv, d, device="cuda",
+                                        dtype=torch.bfloat16) for _ in range(2))
+                      for _ in range(args.layers)]
             bt = torch.from_numpy(rng.permutation(batch * nblk).astype(np.int32)
                                   .reshape(batch, nblk)).cuda()
             lens = rng.integers(length - 16, length + 16, batch).astype(np.int32)
@@ -73,8 +83,9 @@ def main():
                     continue
                 try:
                     bound = 1 << (length + 86).bit_length() if args.bucket else nblk * bs
-                    us = time_us(functools.partial(_triton_attention, q, kc, vc, qsl, seq, bt,
-                                                   d ** -0.5, 1, bound, 0, 0.0, None, cfg))
+                    us = time_us([functools.partial(_triton_attention, q, kc, vc, qsl, seq,
+                                                    bt, d ** -0.5, 1, bound, 0, 0.0, None, cfg)
+                                  for kc, vc in caches])
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(name, batch, cfg, "failed", type(e).__name__)
                     continue

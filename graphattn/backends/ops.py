@@ -53,7 +53,8 @@ class TritonConfig:
         Keys per inner-loop tile.
     num_warps, num_stages : int
     waves : int
-        Split-KV target: programs >= waves x multiprocessors (uniform decode keys only).
+        Split-KV target: programs >= waves x multiprocessors (uniform decode keys only;
+        0: never split).
     """
 
     block_n: int = 64
