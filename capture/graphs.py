@@ -17,7 +17,7 @@ from graphattn.keys import GraphKey
 
 __all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward"]
 
-Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+Outputs = torch.Tensor | tuple[torch.Tensor | None, ...]
 Forward = Callable[[dict[str, torch.Tensor], GraphKey], Outputs]
 
 
@@ -109,7 +109,7 @@ def _copyable(src: torch.Tensor, dst: torch.Tensor) -> bool:
 def _slice_outputs(out: Outputs, rows: int) -> Outputs:
     if isinstance(out, torch.Tensor):
         return out[:rows]
-    return tuple(o[:rows] for o in out)
+    return tuple(None if o is None else o[:rows] for o in out)
 
 
 class CUDAGraphManager:

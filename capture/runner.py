@@ -403,7 +403,7 @@ class GraphRunner:
         -------
         logits : [num_reqs_padded, vocab] at each row's output position;
         sampled : int64 [num_reqs_padded]; logprobs : float32 [num_reqs_padded]
-        (0 without sampling=True); rejected : int32 [num_reqs_padded];
+        (None without a sampler); rejected : int32 [num_reqs_padded];
         emitted : int64 [num_reqs_padded, decode_query_len] (see StepOutput.emitted_host)
         """
         st = self.state
@@ -477,7 +477,9 @@ class GraphRunner:
             else:
                 logits = logits_all[(qsl[1:] - 1).clamp(min=0)]
             sampled, logprobs = self._sample(logits, batch.req_slots, seq)
-            rejected = torch.zeros_like(batch.num_scheduled)
+            # no row of a plain step carries drafts (num_drafts is 0 throughout), so none is
+            # rejected: the input itself, not a fill launched per step
+            rejected = batch.num_drafts
             emitted = sampled[:, None] if width == 1 else torch.cat(  # a view: no launch
                 [sampled[:, None], sampled.new_full((sampled.shape[0], width - 1), -1)], 1)
         else:
@@ -490,7 +492,8 @@ class GraphRunner:
             rejected = (batch.num_drafts.long() - accepted).to(torch.int32)
             # a row's output follows its accepted drafts: its last token minus the rejected
             out_idx = (qsl[1:] - 1 - rejected).clamp(min=0)
-            logits, sampled, logprobs = logits_all[out_idx], target[out_idx], lp_all[out_idx]
+            logits, sampled = logits_all[out_idx], target[out_idx]
+            logprobs = None if lp_all is None else lp_all[out_idx]
             # a row emits its accepted drafts (equal to the target there), then `sampled`
             j = torch.arange(width, device=ids.device)
             at = (qsl[:-1, None] + batch.num_scheduled.long()[:, None] - 1
@@ -504,9 +507,9 @@ class GraphRunner:
         return logits, sampled, logprobs, rejected, emitted
 
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sampler is None:
-            return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.sampler is None:  # greedy, no log-probabilities
+            return logits.argmax(-1), None
         return self.sampler.sample(logits, slots, positions)
 
     def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
@@ -645,7 +648,7 @@ class GraphRunner:
                             outs = self._device_step(packed, plan, key, piecewise=True)
                     else:
                         outs = self._device_step(packed, plan, None)
-                    outs = tuple(o[: sched.num_reqs] for o in outs)
+                    outs = tuple(None if o is None else o[: sched.num_reqs] for o in outs)
                 else:
                     outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs)
                     self._device_advanced = True
