@@ -6,7 +6,7 @@ since the profiler leaves CUPTI attached).
 
 Prints, per mode, the kernels of one step grouped by name: launches per step, µs per step,
 and the sum of kernel time against the step's CUDA-event time (the gap is launch/idle time
-between graph nodes).
+between graph nodes), then which kernels that idle time precedes.
 """
 
 from __future__ import annotations
@@ -29,8 +29,20 @@ from graphattn.state import SchedulerOutput
 STEPS = 20
 
 
-def kernels(fn) -> tuple[dict[str, tuple[float, float]], float]:
-    """{kernel name: (launches per step, µs per step)} and the summed µs per step."""
+def gaps_before(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """{name: summed idle µs between the previous device op's end and this one's start}."""
+    out: dict[str, float] = defaultdict(float)
+    busy_until = None
+    for start, end, name in sorted(spans):
+        if busy_until is not None:
+            out[name[:110]] += max(0.0, start - busy_until)
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return dict(out)
+
+
+def kernels(fn) -> tuple[dict[str, tuple[float, float]], float, dict[str, float]]:
+    """{kernel name: (launches per step, µs per step)}, the summed µs per step and
+    {kernel name: idle µs per step just before it} (where the gaps between kernels sit)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -39,12 +51,15 @@ def kernels(fn) -> tuple[dict[str, tuple[float, float]], float]:
             fn()
         torch.cuda.synchronize()
     agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             agg[e.name][0] += 1
             agg[e.name][1] += e.device_time
+            spans.append((e.time_range.start, e.time_range.end, e.name))
     out = {k[:110]: (n / STEPS, us / STEPS) for k, (n, us) in agg.items()}
-    return out, sum(us for _, us in out.values())
+    gaps = {k: us / STEPS for k, us in gaps_before(spans).items()}
+    return out, sum(us for _, us in out.values()), gaps
 
 
 def main() -> None:
@@ -80,13 +95,16 @@ def main() -> None:
     results["handwritten_compiled_graph"] = (float(np.median(event_times(hw.replay, 30))),
                                              *kernels(hw.replay))
     rows = []
-    for mode, (step_us, table, total) in results.items():
+    for mode, (step_us, table, total, gaps) in results.items():
         print(f"\n## {mode}: step {step_us:.1f} µs (CUDA events), kernels {total:.1f} µs, "
               f"{sum(c for c, _ in table.values()):.0f} launches per step")
         for name, (count, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:25]:
             print(f"{us:8.1f} µs {count:5.1f}x  {name}")
+        print(f"idle before each kernel, µs per step (profiled: {sum(gaps.values()):.1f} in all)")
+        for name, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"{us:8.1f} µs  {name}")
         rows.append({"mode": mode, "step_us": step_us, "kernel_us": total,
-                     "kernels": {k: list(v) for k, v in table.items()}})
+                     "kernels": {k: list(v) for k, v in table.items()}, "gaps_before": gaps})
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, f"kernel_profile_{args.model}_{n}_{length}.json").write_text(
