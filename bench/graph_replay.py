@@ -1,4 +1,6 @@
-"""Uniform decode, every mode side by side on the same weights, one process per model.
+"""Uniform decode, every mode side by side on the same weights (seeded: each mode group runs
+in its own process, so one group's failure, such as the 1b eager-SDPA peer's invalidated
+capture, cannot take the other rows, and no compile state leaks between groups).
 
     python -m bench.graph_replay [--models tiny,1b] [--sizes 1,8,32,128] [--lengths 512,2048]
                                  [--steps 100] [--out bench/results]
