@@ -381,7 +381,7 @@ class GraphRunner:
 
     # -- the step on the device ------------------------------------------
     def _device_step(self, packed: torch.Tensor, plan: BatchPlan, key: GraphKey | None,
-                     piecewise: bool = False) -> tuple[torch.Tensor, ...]:
+                     piecewise: bool = False) -> tuple[torch.Tensor | None, ...]:
         """Everything a step does on the device, from its packed buffer (capturable).
 
         Device half of prepare, metadata build (a key fixes the plan), forward,
@@ -426,11 +426,11 @@ class GraphRunner:
         return outs
 
     def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
-                      single: bool) -> tuple[torch.Tensor, ...]:
+                      single: bool) -> tuple[torch.Tensor | None, ...]:
         return self._run(batch, meta, spec, single, self.forward)
 
     def _run(self, batch: InputBatch, meta: Any, spec: bool, single: bool,
-             forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+             forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """Token ids in, forward, sampling, verification, write-back and the truth's advance
         (pure device work on `batch` and `meta`: compiled with the forward when compile=True).
         `single`: every row has one token, row r's at index r (a key's uniform decode), so
