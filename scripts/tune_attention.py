@@ -8,7 +8,8 @@ come from this table.
 One graph holds `--layers` calls, each on its own cache (as a model's layers: no call reads
 KV another left in L2), and a row's `us` is the graph's time over that count: the launch
 gaps between calls, and the split merge's launch, count as they do in a step; one call per
-graph (`--layers 1`) is dominated by the graph launch. `waves` 0 is the unsplit kernel.
+graph (`--layers 1`) is dominated by the graph launch. `waves` 0 is the unsplit kernel;
+every config runs with and without programmatic dependent launch (`pdl`).
 """
 
 import argparse
@@ -58,9 +59,9 @@ def main():
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    grid = ((32, 64, 128), (4,), (2,), (0, 1, 2, 4)) if args.quick else (
-        (32, 64, 128), (4, 8), (2, 3), (0, 1, 2, 4))
-    configs = [TritonConfig(bn, w, s, wv) for bn, w, s, wv in itertools.product(*grid)]
+    grid = ((32, 64, 128), (4,), (2,), (0, 1, 2, 4), (False, True)) if args.quick else (
+        (32, 64, 128), (4, 8), (2, 3), (0, 1, 2, 4), (False, True))
+    configs = [TritonConfig(*c) for c in itertools.product(*grid)]
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
     for name in args.models.split(","):
         h, hkv, d = SHAPES[name]
@@ -106,7 +107,7 @@ def main():
         bests[k] = min(bests.get(k, 1e9), r["us"])
     score = {}
     for r in rows:
-        c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"])
+        c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"], r["pdl"])
         k = (r["model"], r["batch"], r["length"])
         score.setdefault(c, []).append(r["us"] / bests[k])
     full = {c: max(v) for c, v in score.items() if len(v) == len(bests)}

@@ -37,7 +37,7 @@ from graphattn.backends.kernels import (
 from graphattn.backends.rope import apply_rope, cos_sin
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
-           "gather_paged_attention", "has_triton", "has_varlen_paged", "kv_bounds",
+           "gather_paged_attention", "has_pdl", "has_triton", "has_varlen_paged", "kv_bounds",
            "resolve_kernel", "rope_write_kv", "split_plan"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
@@ -55,12 +55,18 @@ class TritonConfig:
     waves : int
         Split-KV target: programs >= waves x multiprocessors (uniform decode keys only;
         0: never split).
+    pdl : bool
+        Programmatic dependent launch of the attention and merge kernels (where `has_pdl`):
+        a launch may overlap the previous kernel's tail, and every program waits for that
+        kernel (``griddepcontrol.wait``) before it touches memory. Off until
+        scripts/tune_attention.py has measured it.
     """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     waves: int = 2
+    pdl: bool = False
 
 
 PREFILL_CONFIG = TritonConfig()
@@ -92,6 +98,19 @@ def has_triton() -> bool:
         return False
     try:
         import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def has_pdl(index: int) -> bool:
+    """Programmatic dependent launch from Triton on CUDA device `index` (Hopper or newer,
+    a Triton with ``gdc_wait``)."""
+    if not has_triton() or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
     except ImportError:
         return False
     return True
@@ -214,10 +233,13 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                             cfg.waves) if uniform_query_len else 1
     dv_pad = max(16, _pow2(dv))
+    pdl = cfg.pdl and has_pdl(q.device.index if q.device.index is not None
+                              else torch.cuda.current_device())
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
                   BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
                   UNIFORM=bool(uniform_query_len), USE_SOFTCAP=softcap > 0,
-                  USE_WINDOW=window > 0, USE_SINKS=sinks is not None, WRITE_LSE=False)
+                  USE_WINDOW=window > 0, USE_SINKS=sinks is not None, WRITE_LSE=False,
+                  USE_PDL=pdl)
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
     if num_splits == 1:
         part, part_lse = out, out
@@ -231,13 +253,13 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common)
+        num_stages=cfg.num_stages, launch_pdl=pdl, **common)
     if num_splits > 1:
         merge_splits_kernel[(t, h)](
             out, out, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
             out.stride(1), HEAD_DIM_V=dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits,
             S_PAD=max(2, _pow2(num_splits)), USE_SINKS=sinks is not None, WRITE_LSE=False,
-            num_warps=4)
+            USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 

@@ -53,8 +53,10 @@ def unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early: the previous kernel done and flushed before any access
+        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,6 +178,7 @@ def merge_splits_kernel(
     stride_ot, stride_oh,
     HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     S_PAD: tl.constexpr, USE_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t, h] = the splits of (t, h) weighted by their softmax mass (+ the head's sink).
 
@@ -183,6 +186,8 @@ def merge_splits_kernel(
     tokens (t >= query_start_loc[num_rows]) get 0 and LSE -inf, and their partials are
     never read, so neither buffer needs filling first.
     """
+    if USE_PDL:  # launched early: the attention kernel done and flushed before any access
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)

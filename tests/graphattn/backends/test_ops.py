@@ -262,10 +262,54 @@ def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
     ref = ops.gather_paged_attention(q.double(), kc.double(), vc.double(), qsl, seq, bt,
                                      torch.zeros(t, dtype=torch.int64, device="cuda"),
                                      d ** -0.5, 0, 1, nblk, 0, 0.0, None)
-    for uniform, waves in ((1, 0), (0, 0), (1, 64)):
+    for uniform, waves, pdl in ((1, 0, False), (0, 0, False), (1, 64, False), (1, 64, True),
+                                (0, 0, True)):
         poison = torch.full((t, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
         del poison
         out = _triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, uniform, 64, 0, 0.0, None,
-                                config=ops.TritonConfig(block_n=16, waves=waves))
+                                config=ops.TritonConfig(block_n=16, waves=waves, pdl=pdl))
         assert out[2:].abs().sum().item() == 0 and out[:2].isfinite().all()
         torch.testing.assert_close(out[:2].double(), ref[:2], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
+    """Programmatic dependent launch (where the GPU and Triton have it): attention and merge
+    launches chained in one graph, replayed with new device lengths, against float64."""
+    from graphattn.backends.ops import _triton_attention
+
+    if not ops.has_pdl(torch.cuda.current_device()):
+        pytest.skip("no programmatic dependent launch here")
+    torch.manual_seed(0)
+    rows, h, hkv, d, bs, nblk = 3, 8, 2, 64, 16, 16
+    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2))
+    bt = torch.arange(rows * nblk, device="cuda", dtype=torch.int32).view(rows, nblk)
+    qsl = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    seq = torch.tensor([5, 200, 77], device="cuda", dtype=torch.int32)
+    q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+    cfg = ops.TritonConfig(block_n=32, waves=8, pdl=True)
+
+    def step():
+        a = _triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, None,
+                              config=cfg)
+        b = _triton_attention(a, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, None,
+                              config=cfg)  # reads what the previous launches wrote
+        return a, b
+
+    def reference(x):
+        return ops.gather_paged_attention(
+            x.double(), kc.double(), vc.double(), qsl, seq, bt,
+            torch.zeros(rows, dtype=torch.int64, device="cuda"), d ** -0.5, rows, 1, nblk)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        a, b = step()
+    for lens in ([1, 256, 30], [100, 3, 255]):
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        with no_host_sync():
+            g.replay()
+        torch.testing.assert_close(a.double(), reference(q), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(b.double(), reference(a), rtol=2e-2, atol=2e-2)

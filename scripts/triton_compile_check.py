@@ -1,0 +1,77 @@
+"""Compile the Triton kernels for an H100/H200 (sm_90) without a GPU: Triton's front end, its
+passes and ptxas run on CPU, so a kernel that would not compile on the GPU box (a shape
+redefined in a branch, an intrinsic the installed Triton lacks) fails here first.
+
+    python scripts/triton_compile_check.py [--arch 90]
+
+Compiles the unified attention kernel over its specializations (uniform or mixed rows,
+split or not, softcap / window / sinks, programmatic dependent launch), the split merge and
+the KV writes, and prints each variant's shared memory bytes and whether its PTX waits on
+the previous grid (PDL). Triton's interpreter
+(scripts/triton_interpret_check.py) checks the numbers; this checks the build.
+"""
+
+import argparse
+import itertools
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from graphattn.backends.triton_kernels import (
+    merge_splits_kernel,
+    rope_write_kv_kernel,
+    unified_attention_kernel,
+    write_kv_kernel,
+)
+
+POINTERS = {
+    "out": "*bf16", "lse_out": "*bf16", "part_out": "*fp32", "part_lse": "*fp32",
+    "q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_table": "*i32",
+    "seq_lens": "*i32", "query_start_loc": "*i32", "sinks": "*fp32", "k": "*bf16",
+    "v": "*bf16", "slot_mapping": "*i64", "qkv": "*bf16", "positions": "*i64",
+    "inv_freq": "*fp32", "q_out": "*bf16",
+}
+FLOATS = {"scale", "softcap"}
+
+
+def build(fn, consts: dict, target: GPUTarget, **options) -> dict:
+    sig = {name: "constexpr" if name in consts else POINTERS.get(
+        name, "fp32" if name in FLOATS else "i32") for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+    return {"shared": kernel.metadata.shared,
+            "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    shape = dict(G=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
+    for uniform, split, cap, win, sinks, pdl in itertools.product(*[(False, True)] * 6):
+        if split and not uniform:
+            continue  # mixed batches never split
+        tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128) if uniform else dict(
+            BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
+        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
+                      USE_WINDOW=win, USE_SINKS=sinks, WRITE_LSE=False, USE_PDL=pdl)
+        got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
+                    launch_pdl=pdl)
+        print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
+              got)
+        assert got["pdl_wait"] == pdl
+    for sinks, pdl in itertools.product((False, True), repeat=2):
+        consts = dict(HEAD_DIM_V=64, DV_PAD=64, NUM_SPLITS=3, S_PAD=4, USE_SINKS=sinks,
+                      WRITE_LSE=False, USE_PDL=pdl)
+        print("merge", consts, build(merge_splits_kernel, consts, target, num_warps=4,
+                                     launch_pdl=pdl))
+    print("write_kv", build(write_kv_kernel, dict(ROW_K=256, ROW_V=256, BLOCK=256), target))
+    print("rope_write_kv", build(rope_write_kv_kernel, dict(H=16, HKV=4, D=64, H_PAD=16,
+                                                            HKV_PAD=4, HALF_PAD=32, D_PAD=64),
+                                 target))
+
+
+if __name__ == "__main__":
+    main()
