@@ -95,16 +95,23 @@ def test_triton_split_kv_long_rows():
               block_size=16, max_len=2048)
 
 
-@pytest.mark.cuda
-def test_triton_write_kv_and_graph_replay_reads_device_lengths():
-    torch.manual_seed(0)
-    h, hkv, d, bs, rows, nblk = 8, 2, 64, 16, 4, 8
+def decode_rows(lens, nblk, h=8, hkv=2, d=64, bs=16):
+    """Random bf16 caches, a block table, one query token per row at device lengths `lens`:
+    (k_cache, v_cache, block_table, query_start_loc, seq_lens, q) on CUDA."""
+    rows = len(lens)
     kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
               for _ in range(2))
     bt = torch.arange(rows * nblk, device="cuda", dtype=torch.int32).view(rows, nblk)
     qsl = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
-    seq = torch.tensor([5, 17, 64, 100], device="cuda", dtype=torch.int32)
-    q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+    seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    return kc, vc, bt, qsl, seq, torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_triton_write_kv_and_graph_replay_reads_device_lengths():
+    torch.manual_seed(0)
+    h, hkv, d, bs, rows, nblk = 8, 2, 64, 16, 4, 8
+    kc, vc, bt, qsl, seq, q = decode_rows([5, 17, 64, 100], nblk, h, hkv, d, bs)
     k, v = (torch.randn(rows, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots = (bt[torch.arange(rows), (seq - 1) // bs] * bs + (seq - 1) % bs).long()
     slots[1] = -1  # a padded token writes nowhere
@@ -281,13 +288,8 @@ def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
     if not ops.has_pdl(torch.cuda.current_device()):
         pytest.skip("no programmatic dependent launch here")
     torch.manual_seed(0)
-    rows, h, hkv, d, bs, nblk = 3, 8, 2, 64, 16, 16
-    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
-              for _ in range(2))
-    bt = torch.arange(rows * nblk, device="cuda", dtype=torch.int32).view(rows, nblk)
-    qsl = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
-    seq = torch.tensor([5, 200, 77], device="cuda", dtype=torch.int32)
-    q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+    rows, d, bs, nblk = 3, 64, 16, 16
+    kc, vc, bt, qsl, seq, q = decode_rows([5, 200, 77], nblk, d=d, bs=bs)
     cfg = ops.TritonConfig(block_n=32, waves=8, pdl=True)
 
     def step():
