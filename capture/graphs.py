@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from graphattn.backends.registry import PadValue
 from graphattn.keys import GraphKey
 
-__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward"]
+__all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward",
+           "slice_outputs"]
 
 Outputs = torch.Tensor | tuple[torch.Tensor | None, ...]
 Forward = Callable[[dict[str, torch.Tensor], GraphKey], Outputs]
@@ -106,7 +107,8 @@ def _copyable(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return src.device.type == "cpu" and (dst.device.type != "cuda" or src.is_pinned())
 
 
-def _slice_outputs(out: Outputs, rows: int) -> Outputs:
+def slice_outputs(out: Outputs, rows: int) -> Outputs:
+    """The first `rows` rows of each output (absent outputs stay None)."""
     if isinstance(out, torch.Tensor):
         return out[:rows]
     return tuple(None if o is None else o[:rows] for o in out)
@@ -305,7 +307,7 @@ class CUDAGraphManager:
                     f"no graph captured for {key}; captured: {len(self._captured)} keys"
                 )
             self.num_eager += 1
-            return _slice_outputs(self.forward(dict(inputs), key), out_rows)
+            return slice_outputs(self.forward(dict(inputs), key), out_rows)
         self._copy_in(key, cap.inputs, inputs)
         return self._run(key, cap, out_rows)
 
@@ -313,10 +315,10 @@ class CUDAGraphManager:
         """Replay `cap` (its inputs copied in) and return its first `out_rows` output rows."""
         self.num_replays += 1
         if cap.graph is None:
-            return _slice_outputs(self.forward(cap.inputs, key), out_rows)
+            return slice_outputs(self.forward(cap.inputs, key), out_rows)
         cap.graph.replay()
         if cap.sliced is None or cap.sliced[0] != out_rows:  # views of the static outputs
-            cap.sliced = (out_rows, _slice_outputs(cap.outputs, out_rows))
+            cap.sliced = (out_rows, slice_outputs(cap.outputs, out_rows))
         return cap.sliced[1]
 
     def replay_packed(self, key: GraphKey, name: str, src: torch.Tensor,

@@ -22,7 +22,12 @@ from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tens
 from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.dispatcher import GraphDispatcher
-from graphattn.capture.graphs import CaptureReport, CUDAGraphManager, GraphNotCapturedError
+from graphattn.capture.graphs import (
+    CaptureReport,
+    CUDAGraphManager,
+    GraphNotCapturedError,
+    slice_outputs,
+)
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import INT32_MAX, as_int32_array
@@ -155,8 +160,7 @@ class _OutputRing:
         # a loop that reads tokens a step late never waits here
         self.events[i].synchronize()
         self.versions[i] += 1
-        if values.dtype != torch.int64:
-            values = values.long()
+        values = values.long()  # itself when already int64
         self.host[i][: values.shape[0]].copy_(values, non_blocking=True)
         self.events[i].record()
         return TokenFuture(values, self, i, self.versions[i])
@@ -648,7 +652,7 @@ class GraphRunner:
                             outs = self._device_step(packed, plan, key, piecewise=True)
                     else:
                         outs = self._device_step(packed, plan, None)
-                    outs = tuple(None if o is None else o[: sched.num_reqs] for o in outs)
+                    outs = slice_outputs(outs, sched.num_reqs)
                 else:
                     outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs)
                     self._device_advanced = True
