@@ -233,8 +233,7 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                             cfg.waves) if uniform_query_len else 1
     dv_pad = max(16, _pow2(dv))
-    pdl = cfg.pdl and has_pdl(q.device.index if q.device.index is not None
-                              else torch.cuda.current_device())
+    pdl = cfg.pdl and has_pdl(_device_index(q.device))
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
                   BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
                   UNIFORM=bool(uniform_query_len), USE_SOFTCAP=softcap > 0,
@@ -268,8 +267,12 @@ def _num_sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _num_sms(device: torch.device) -> int:
-    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _num_sms_of(_device_index(device))
 
 
 def _varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
