@@ -244,7 +244,7 @@ def plan_batch(
     else:
         plan.num_scheduled_tokens_np.cumsum(out=qsl[1:])
         req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
-        np.subtract(np.arange(num_tokens, dtype=np.int32), plan.query_start_loc_np[req_idx],
+        np.subtract(np.arange(num_tokens, dtype=np.int32), qsl[req_idx],
                     out=plan.token_offsets_np[:num_tokens])
     if drafts is not None:
         plan.num_draft_tokens_np[:num_reqs] = drafts
