@@ -56,9 +56,10 @@ class TritonConfig:
         Split-KV target: programs >= waves x multiprocessors (uniform decode keys only;
         0: never split).
     pdl : bool
-        Programmatic dependent launch of the attention and merge kernels (where `has_pdl`):
-        a launch may overlap the previous kernel's tail, and every program waits for that
-        kernel (``griddepcontrol.wait``) before it touches memory. Off until
+        Programmatic dependent launch of the attention and merge kernels (refused where
+        `has_pdl` is False): a launch may overlap the previous kernel's tail, and every
+        program waits for that kernel (``griddepcontrol.wait``) before it touches memory.
+        Off until
         scripts/tune_attention.py has measured it.
     """
 
@@ -233,7 +234,10 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                             cfg.waves) if uniform_query_len else 1
     dv_pad = max(16, _pow2(dv))
-    pdl = cfg.pdl and has_pdl(_device_index(q.device))
+    pdl = cfg.pdl
+    if pdl and not has_pdl(_device_index(q.device)):
+        raise ValueError(f"TritonConfig.pdl = True needs programmatic dependent launch (compute "
+                         f"capability >= 9 and a Triton with gdc_wait), which {q.device} lacks")
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
                   BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
                   UNIFORM=bool(uniform_query_len), USE_SOFTCAP=softcap > 0,

@@ -315,3 +315,15 @@ def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
             g.replay()
         torch.testing.assert_close(a.double(), reference(q), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(b.double(), reference(a), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_triton_pdl_is_refused_where_the_device_lacks_it(monkeypatch):
+    from graphattn.backends.ops import _triton_attention
+
+    kc, vc, bt, qsl, seq, q = decode_rows([5, 9], 2)
+    monkeypatch.setattr(ops, "has_pdl", lambda index: False)
+    with pytest.raises(ValueError, match=r"TritonConfig.pdl = True needs programmatic "
+                                         r"dependent launch"):
+        _triton_attention(q, kc, vc, qsl, seq, bt, 0.125, 1, 32, 0, 0.0, None,
+                          config=ops.TritonConfig(pdl=True))
