@@ -59,8 +59,7 @@ class TritonConfig:
         Programmatic dependent launch of the attention and merge kernels (refused where
         `has_pdl` is False): a launch may overlap the previous kernel's tail, and every
         program waits for that kernel (``griddepcontrol.wait``) before it touches memory.
-        Off until
-        scripts/tune_attention.py has measured it.
+        Off until scripts/tune_attention.py has measured it.
     """
 
     block_n: int = 64
