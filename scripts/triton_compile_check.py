@@ -68,9 +68,12 @@ def main() -> None:
         print("merge", consts, build(merge_splits_kernel, consts, target, num_warps=4,
                                      launch_pdl=pdl))
     print("write_kv", build(write_kv_kernel, dict(ROW_K=256, ROW_V=256, BLOCK=256), target))
-    print("rope_write_kv", build(rope_write_kv_kernel, dict(H=16, HKV=4, D=64, H_PAD=16,
-                                                            HKV_PAD=4, HALF_PAD=32, D_PAD=64),
-                                 target))
+    for pdl in (False, True):
+        got = build(rope_write_kv_kernel, dict(H=16, HKV=4, D=64, H_PAD=16, HKV_PAD=4,
+                                               HALF_PAD=32, D_PAD=64, USE_PDL=pdl),
+                    target, num_warps=4, launch_pdl=pdl)
+        print("rope_write_kv", pdl, got)
+        assert got["pdl_wait"] == pdl
 
 
 if __name__ == "__main__":

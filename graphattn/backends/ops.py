@@ -59,7 +59,8 @@ class TritonConfig:
         Programmatic dependent launch of the attention and merge kernels (refused where
         `has_pdl` is False): a launch may overlap the previous kernel's tail, and every
         program waits for that kernel (``griddepcontrol.wait``) before it touches memory.
-        Off until scripts/tune_attention.py has measured it.
+        `decode_config` turns it on where the device has it (0.5-2.6 µs less per call in
+        bench/results/tune_attention_pdl.json).
     """
 
     block_n: int = 64
@@ -72,23 +73,30 @@ class TritonConfig:
 PREFILL_CONFIG = TritonConfig()
 
 
-def decode_config(programs: int) -> TritonConfig:
+def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
     """Launch config of a uniform-decode key with `programs` = rows x KV heads.
 
     From scripts/tune_attention.py on an H200 (bf16, head_dim 64, GQA 4, lengths 512-2048;
     bench/results/tune_attention.json): few programs split the KV axis over two waves, a
     middling count wants longer key tiles, and past about six waves no split and 64-key tiles
-    read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048). From 32 programs, 128-key tiles
-    over four waves (tune_attention_bucket.json: 13.6 against 15.7 µs at 8 rows x 4 KV heads
-    x 2048).
+    read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048). Below two waves of programs,
+    128-key tiles split over four (tune_attention_pdl.json, 8 calls per graph: 14.1 against
+    16.7 µs at 8 rows x 8 KV heads x 2048, 23.8 against 25.1 at 32 x 4 x 2048).
+
+    Parameters
+    ----------
+    programs : int
+        Rows x KV heads of the launch (CPU numbers).
+    pdl : bool
+        `TritonConfig.pdl` of the result (the caller knows the device: `has_pdl`).
     """
     if programs < 32:
-        return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2)
-    if programs < 64:
-        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=4)
+        return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2, pdl=pdl)
+    if programs < 2 * 128:
+        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=4, pdl=pdl)
     if programs < 6 * 132:
-        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2)
-    return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1)
+        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2, pdl=pdl)
+    return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1, pdl=pdl)
 
 
 @functools.cache
@@ -228,7 +236,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_q = max(1, 64 // _pow2(g))
         num_tiles = t // block_q + rows
     block_m = max(16, _pow2(block_q * g))
-    cfg = config or (decode_config(rows * hkv) if uniform_query_len else PREFILL_CONFIG)
+    cfg = config or (decode_config(rows * hkv, has_pdl(_device_index(q.device)))
+                     if uniform_query_len else PREFILL_CONFIG)
     block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
     num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                             cfg.waves) if uniform_query_len else 1
@@ -449,11 +458,12 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         return q
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
+    pdl = has_pdl(_device_index(qkv.device))
     rope_write_kv_kernel[(t,)](
         qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0),
         k_cache.stride(1), v_cache.stride(1), H=num_heads, HKV=num_kv_heads, D=d,
         H_PAD=_pow2(num_heads), HKV_PAD=_pow2(num_kv_heads), HALF_PAD=max(2, _pow2(d // 2)),
-        D_PAD=max(2, _pow2(d)), num_warps=4)
+        D_PAD=max(2, _pow2(d)), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return q
 
 

@@ -245,10 +245,13 @@ def rope_write_kv_kernel(
     stride_qkv, stride_qo, stride_kcs, stride_vcs,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     H_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Token t of qkv [T, (H + 2 HKV) * D]: q rotated into q_out, k rotated and v written to
     slot ``slot_mapping[t]`` of the caches (slot < 0: not written). Rotation: NeoX halves,
     angle = position * inv_freq in float32."""
+    if USE_PDL:  # launched early: the previous kernel done and flushed before any access
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
     i = tl.arange(0, HALF_PAD)
