@@ -4,6 +4,7 @@ come from this table.
 
     python scripts/tune_attention.py [--out DIR] [--models tiny,1b] [--shapes 1:2048,128:512]
                                      [--bucket] [--quick] [--layers 8] [--tag NAME]
+                                     [--stages 2,3] [--waves 0,1,2,4] [--pdl 0,1]
 
 One graph holds `--layers` calls, each on its own cache (as a model's layers: no call reads
 KV another left in L2), and a row's `us` is the graph's time over that count: the launch
@@ -54,13 +55,18 @@ def main():
                     help="bound = bench.graph_replay's length bucket (a power of two above "
                          "the lengths), not the longest length")
     ap.add_argument("--quick", action="store_true", help="4 warps, 2 stages only")
+    ap.add_argument("--stages", default="2,3", help="num_stages to try (without --quick)")
+    ap.add_argument("--waves", default="0,1,2,4", help="split targets to try (0: no split)")
+    ap.add_argument("--pdl", default="0,1", help="pdl off (0) and/or on (1)")
     ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--tag", default="", help="writes tune_attention{_tag}.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    grid = ((32, 64, 128), (4,), (2,), (0, 1, 2, 4), (False, True)) if args.quick else (
-        (32, 64, 128), (4, 8), (2, 3), (0, 1, 2, 4), (False, True))
+    waves = tuple(int(w) for w in args.waves.split(","))
+    pdl = tuple(bool(int(x)) for x in args.pdl.split(","))
+    grid = ((32, 64, 128), (4,), (2,), waves, pdl) if args.quick else (
+        (32, 64, 128), (4, 8), tuple(int(x) for x in args.stages.split(",")), waves, pdl)
     configs = [TritonConfig(*c) for c in itertools.product(*grid)]
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
     for name in args.models.split(","):
