@@ -22,7 +22,7 @@ from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import StagingRing
 
-SIZES = (1, 4, 16, 64, 256, 1024, 4096)
+SIZES = (1, 4, 16, 64, 128, 256, 1024, 4096)
 
 
 class _Done:

@@ -1,0 +1,159 @@
+"""What a step's host<->device copies cost around a replayed graph, and where they could go
+(a development aid for bench/RESULTS.md; CUDA only).
+
+    python scripts/step_copies.py [--kernels 160] [--rows 32] [--out DIR]
+
+One synthetic graph of `--kernels` small GEMMs + ReLUs (about a 1B model's decode step in
+launches) reads a packed int32 input and ends in an argmax over `--rows` rows. Variants,
+each timed as CUDA events around back-to-back steps (median µs per step):
+
+- ``graph``: the replay alone (the floor);
+- ``copies``: the runner's pattern today: H2D of a pinned staging buffer into the static input,
+  the replay, D2H of the tokens into a pinned slot, an event;
+- ``in_graph``: both copies captured as memcpy nodes of the graph (fixed pinned buffers);
+- ``mapped``: both copies as kernels of the graph that read / write pinned host memory through
+  its device address (unified addressing), no memcpy at all;
+- ``mapped_out``: the H2D memcpy outside, the tokens written to pinned memory by a kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class _CudaView:
+    """__cuda_array_interface__ of a pinned host tensor (its address is valid on the device)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        typestr = {torch.int32: "<i4", torch.int64: "<i8"}[t.dtype]
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr,
+                                         "data": (t.data_ptr(), False), "version": 3,
+                                         "strides": None}
+
+
+def mapped(t: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(_CudaView(t), device="cuda")
+
+
+def time_steps(step, reps: int = 200, warmup: int = 20) -> float:
+    for _ in range(warmup):
+        step()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    torch.cuda.synchronize()
+    for a, b in ev:
+        a.record()
+        step()
+        b.record()
+    torch.cuda.synchronize()
+    return float(np.median([1e3 * a.elapsed_time(b) for a, b in ev]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", type=int, default=160)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--width", type=int, default=4096, help="int32 words of packed input")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n, hid = args.rows, 2048
+    ws = [torch.randn(hid, hid, device="cuda", dtype=torch.bfloat16) * hid ** -0.5
+          for _ in range(args.kernels // 2)]
+    static_in = torch.zeros(args.width, dtype=torch.int32, device="cuda")
+    static_out = torch.zeros(n, dtype=torch.int64, device="cuda")
+    x0 = torch.randn(n, hid, device="cuda", dtype=torch.bfloat16)
+
+    def body() -> None:
+        x = x0 + static_in[:n, None].to(x0.dtype)
+        for w in ws:
+            x = torch.relu(x @ w)
+        static_out.copy_(x.argmax(-1))
+
+    pin_in = [torch.randint(0, 3, (args.width,), dtype=torch.int32).pin_memory()
+              for _ in range(8)]
+    pin_out = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(8)]
+    events = [torch.cuda.Event() for _ in range(8)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(s)
+
+    def capture(fn) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
+    rows = {}
+    g = capture(body)
+    rows["graph"] = time_steps(g.replay)
+    i = [0]
+
+    def copies() -> None:
+        k = i[0] = (i[0] + 1) % 8
+        events[k].synchronize()
+        static_in.copy_(pin_in[k], non_blocking=True)
+        g.replay()
+        pin_out[k].copy_(static_out, non_blocking=True)
+        events[k].record()
+
+    rows["copies"] = time_steps(copies)
+    fixed_in, fixed_out = pin_in[0], pin_out[0]
+
+    def in_graph_body() -> None:
+        static_in.copy_(fixed_in, non_blocking=True)
+        body()
+        fixed_out.copy_(static_out, non_blocking=True)
+
+    g2 = capture(in_graph_body)
+
+    def in_graph() -> None:
+        g2.replay()
+        events[0].record()
+
+    rows["in_graph"] = time_steps(in_graph)
+    try:
+        m_in, m_out = mapped(fixed_in), mapped(fixed_out)
+        m_in.sum().item()  # the device reads host memory through the view
+    except Exception as e:  # noqa: BLE001 - reported, the other variants stand
+        rows["mapped_error"] = f"{type(e).__name__}: {e}"
+    else:
+        def mapped_body() -> None:
+            static_in.copy_(m_in)
+            body()
+            m_out.copy_(static_out)
+
+        g3 = capture(mapped_body)
+        rows["mapped"] = time_steps(lambda: (g3.replay(), events[0].record()))
+
+        def out_body() -> None:
+            body()
+            m_out.copy_(static_out)
+
+        g4 = capture(out_body)
+
+        def mapped_out() -> None:
+            static_in.copy_(pin_in[1], non_blocking=True)
+            g4.replay()
+            events[1].record()
+
+        rows["mapped_out"] = time_steps(mapped_out)
+        g3.replay()
+        torch.cuda.synchronize()
+        rows["mapped_tokens_match"] = bool(torch.equal(fixed_out, static_out.cpu()))
+    rows.update(kernels=args.kernels, rows=n, width=args.width, torch=torch.__version__)
+    print(json.dumps(rows, indent=1))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "step_copies.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
