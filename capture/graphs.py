@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from graphattn.backends.registry import PadValue
 from graphattn.keys import GraphKey
+from graphattn.transfer import Uploader
 
 __all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward",
            "slice_outputs"]
@@ -322,9 +323,10 @@ class CUDAGraphManager:
         return cap.sliced[1]
 
     def replay_packed(self, key: GraphKey, name: str, src: torch.Tensor,
-                      out_rows: int) -> Outputs:
+                      out_rows: int, uploader: Uploader | None = None) -> Outputs:
         """`replay` of a key with one input that `src` fills whole (the runner's packed
-        buffer: same dtype and shape as the static one, pinned host memory on CUDA)."""
+        buffer: same dtype and shape as the static one, pinned host memory on CUDA), copied
+        in by `uploader` when given (the host read off the replay's stream)."""
         cap = self._captured.get(key)
         if cap is None:
             return self.replay(key, {name: src}, out_rows)
@@ -332,7 +334,10 @@ class CUDAGraphManager:
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise ValueError(f"input {name!r}: got {src.dtype} {tuple(src.shape)}, expected "
                              f"{dst.dtype} {tuple(dst.shape)} for {key}")
-        dst.copy_(src, non_blocking=True)
+        if uploader is None:
+            dst.copy_(src, non_blocking=True)
+        else:
+            uploader.copy_(dst, src)
         return self._run(key, cap, out_rows)
 
     def replay_only(self, key: GraphKey) -> None:

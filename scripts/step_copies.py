@@ -11,6 +11,9 @@ each timed as CUDA events around back-to-back steps (median µs per step):
 - ``copies``: the runner's pattern today: H2D of a pinned staging buffer into the static input,
   the replay, D2H of the tokens into a pinned slot, an event; ``event``, ``h2d``, ``d2h``: one
   part of it each;
+- ``side_streams``: what the runner does now: `graphattn.transfer.Uploader` (the host read on a
+  side stream, a device copy on the compute stream) and the token ring's device copy + host
+  copy on a side stream;
 - ``in_graph`` (``_h2d``, ``_d2h``): the copies captured as memcpy nodes of the graph (fixed
   pinned buffers);
 - ``mapped`` (``_in``, ``_out``): the copies as kernels of the graph that read / write pinned
@@ -25,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from graphattn.capture.runner import _OutputRing
+from graphattn.transfer import Uploader
 
 
 class _CudaView:
@@ -107,6 +113,17 @@ def main() -> None:
         events[k].record()
 
     rows["copies"] = time_steps(copies)
+    uploader, ring = Uploader("cuda"), _OutputRing(n, torch.device("cuda"))
+
+    def side_streams() -> None:
+        k = i[0] = (i[0] + 1) % 8
+        events[k].synchronize()
+        uploader.copy_(static_in, pin_in[k])
+        g.replay()
+        events[k].record()
+        ring.push(static_out)
+
+    rows["side_streams"] = time_steps(side_streams)
     rows["event"] = time_steps(lambda: (g.replay(), events[0].record()))
     rows["h2d"] = time_steps(lambda: (static_in.copy_(pin_in[1], non_blocking=True),
                                       g.replay()))

@@ -167,6 +167,22 @@ def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot():
 
 
 @pytest.mark.cuda
+def test_output_ring_sends_each_step_its_own_tokens_behind_a_busy_stream():
+    from graphattn.capture.runner import _OutputRing
+
+    ring = _OutputRing(6, torch.device("cuda"))
+    src = torch.zeros(6, dtype=torch.int32, device="cuda")
+    futures = []
+    with no_host_sync():
+        for k in range(_OutputRing.DEPTH - 1):
+            torch.cuda._sleep(200_000)  # the host copy waits on the current stream's work
+            src.copy_(torch.arange(6, device="cuda") * (k + 1))
+            futures.append(ring.push(src[: 3 + k % 3]))
+    for k, f in enumerate(futures):
+        assert f.wait().tolist() == [i * (k + 1) for i in range(3 + k % 3)]
+
+
+@pytest.mark.cuda
 def test_staging_ring_reuses_pinned_buffers_on_cuda():
     st, runner = make(device="cuda")
     runner.capture(progress=False)

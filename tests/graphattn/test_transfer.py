@@ -1,6 +1,8 @@
+import pytest
 import torch
 
-from graphattn.transfer import StagingRing
+from graphattn.sync import no_host_sync
+from graphattn.transfer import StagingRing, Uploader
 
 
 class FakeEvent:
@@ -42,3 +44,30 @@ def test_staging_ring_reuses_a_buffer_only_after_its_copy_finished():
     d = ring.take("k", make)
     assert d is b and FakeEvent.waited == 1 and ring.num_allocated == 2
     assert ring.take("other", make) is not d  # keys do not share objects
+
+
+def test_uploader_off_cuda_is_a_plain_copy():
+    for device in ("cpu", "meta"):
+        up = Uploader(device)
+        dst = torch.zeros(5, dtype=torch.int32, device=device)
+        up.copy_(dst, torch.arange(5, dtype=torch.int32))
+        assert up.stream is None
+        if device == "cpu":
+            assert dst.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.cuda
+def test_uploader_keeps_every_upload_in_order_behind_a_busy_stream():
+    up = Uploader("cuda", depth=2)
+    dst = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32, generator=gen)
+            .pin_memory() for _ in range(7)]
+    got = []
+    with no_host_sync():
+        for src in srcs:
+            torch.cuda._sleep(200_000)  # the side stream runs ahead of the current one
+            up.copy_(dst, src)
+            got.append(dst * 1)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), s) for g, s in zip(got, srcs, strict=True))
