@@ -38,7 +38,7 @@ from graphattn.proposer import DraftProposer
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.transfer import StagingRing, Uploader, to_device
+from graphattn.transfer import StagingRing, Uploader, side_copy, to_device
 
 __all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "SamplingParams", "StepOutput",
            "TokenFuture"]
@@ -141,9 +141,10 @@ class _OutputRing:
     """Pinned host slots (CUDA) that a step's tokens are copied into without blocking
     (`width` columns per row when given).
 
-    On CUDA the current stream copies the tokens into the slot's device buffer (a device
-    copy) and the host copy runs on `stream`, so its PCIe latency (about 10 µs on the H200
-    box, scripts/step_copies.py) does not hold up the next step on the current stream.
+    With a side `stream` the current stream copies the tokens into the slot's device buffer
+    (a device copy) and the host copy runs on `stream`, so the host memory's latency (about
+    10 µs on the H200 box, scripts/step_copies.py) does not hold up the next step on the
+    current stream; without one the host copy runs on the current stream.
     """
 
     DEPTH = 8
@@ -154,11 +155,13 @@ class _OutputRing:
         n = self.DEPTH if self.cuda else 0
         shape = (max_num_reqs,) if width is None else (max_num_reqs, width)
         self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(n)]
-        self.device = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n)]
+        self.device = [torch.zeros(shape, dtype=torch.int64, device=device)
+                       for _ in range(n if stream is not None else 0)]
         self.events = [torch.cuda.Event() for _ in range(n)]
-        self.copied = [torch.cuda.Event() for _ in range(n)]
+        self.copied = [torch.cuda.Event() for _ in range(len(self.device))]
         self.versions = [0] * n
-        self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream(device)
+        self.stream = stream
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.i = 0
 
     def push(self, values: torch.Tensor) -> TokenFuture:
@@ -170,12 +173,17 @@ class _OutputRing:
         self.events[i].synchronize()
         self.versions[i] += 1
         n = values.shape[0]
-        self.device[i][:n].copy_(values)  # casts to int64 where needed
-        self.copied[i].record()
-        self.stream.wait_event(self.copied[i])
-        with torch.cuda.stream(self.stream):
-            self.host[i][:n].copy_(self.device[i][:n], non_blocking=True)
-            self.events[i].record(self.stream)
+        current = torch.cuda.current_stream(values.device)
+        if self.stream is None:
+            self.host[i][:n].copy_(values.long(), non_blocking=True)
+            self.events[i].record(current)
+            return TokenFuture(values, self, i, self.versions[i])
+        views = self._views.get((i, n))
+        if views is None:
+            views = self._views[i, n] = (self.device[i][:n], self.host[i][:n])
+        views[0].copy_(values)  # casts to int64 where needed
+        self.copied[i].record(current)
+        side_copy(self.stream, current, self.copied[i], views[1], views[0], self.events[i])
         return TokenFuture(values, self, i, self.versions[i])
 
 
@@ -246,6 +254,13 @@ class GraphRunner:
         Proposes drafts inside the step (e.g. `graphattn.proposer.NgramProposer`)
         for rows the schedule gives drafts when step() gets no draft_token_ids;
         they are verified in the same step (and graph).
+    overlap_copies : bool
+        On CUDA, each replayed step's packed input goes to the device and its tokens to
+        the host on side streams, each behind a device copy on the current stream
+        (`graphattn.transfer.Uploader`): the host memory's latency overlaps the previous
+        graph instead of adding to the step (about 10 µs of GPU time per step on an H200,
+        bench/RESULTS.md) at the price of more host work per step (stream switches,
+        events). Set False where the host, not the GPU, bounds the step.
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
@@ -256,7 +271,7 @@ class GraphRunner:
                  dispatcher: GraphDispatcher | None = None, compile: bool = False,
                  vocab_size: int | None = None, sampling: bool = False,
                  mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
-                 proposer: DraftProposer | None = None) -> None:
+                 proposer: DraftProposer | None = None, overlap_copies: bool = True) -> None:
         if static_input_names is None:
             static_input_names = getattr(forward, "static_input_names", STATIC_INPUTS)
         bad = set(static_input_names) - set(INPUT_NAMES)
@@ -297,9 +312,10 @@ class GraphRunner:
         self._device_advanced = False
         self.sampler = SamplingTable(state.max_num_reqs, state.device) if sampling else None
         self._staging = StagingRing(state.device)
-        self._uploader = Uploader(state.device)
+        overlap = overlap_copies and state.device.type == "cuda"
+        self._uploader = Uploader(state.device) if overlap else None
         # tokens, rejections and emitted counts go to the host on one side stream
-        download = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
+        download = torch.cuda.Stream(state.device) if overlap else None
         self._outputs = _OutputRing(state.max_num_reqs, state.device, stream=download)
         self._rejections = _OutputRing(state.max_num_reqs, state.device, stream=download)
         self._emitted = _OutputRing(state.max_num_reqs, state.device,

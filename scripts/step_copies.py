@@ -113,7 +113,8 @@ def main() -> None:
         events[k].record()
 
     rows["copies"] = time_steps(copies)
-    uploader, ring = Uploader("cuda"), _OutputRing(n, torch.device("cuda"))
+    uploader = Uploader("cuda")
+    ring = _OutputRing(n, torch.device("cuda"), stream=torch.cuda.Stream())
 
     def side_streams() -> None:
         k = i[0] = (i[0] + 1) % 8

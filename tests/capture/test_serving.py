@@ -12,14 +12,14 @@ from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
 
 
-def make(sampling=True, device="cpu", compile=False):
+def make(sampling=True, device="cpu", compile=False, overlap_copies=True):
     torch.manual_seed(0)
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(device)
     st = RequestState(4, 64, 8, device)
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2, 4),
                                                         length_boundaries=(32,)),
-                         sampling=sampling, compile=compile)
+                         sampling=sampling, compile=compile, overlap_copies=overlap_copies)
     return st, runner
 
 
@@ -151,10 +151,11 @@ def test_drafts_validated_and_stale_feedback_refused():
 
 
 @pytest.mark.cuda
-def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot():
+@pytest.mark.parametrize("overlap_copies", [True, False])
+def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot(overlap_copies):
     from graphattn.capture.runner import _OutputRing
 
-    st, runner = make(device="cuda")
+    st, runner = make(device="cuda", overlap_copies=overlap_copies)
     runner.capture(progress=False)
     a = runner.add_request("a", [1, 2, 3])
     outs = [runner.step(SchedulerOutput(np.array([a]), np.array([3])))]
@@ -167,10 +168,12 @@ def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot():
 
 
 @pytest.mark.cuda
-def test_output_ring_sends_each_step_its_own_tokens_behind_a_busy_stream():
+@pytest.mark.parametrize("side_stream", [True, False])
+def test_output_ring_sends_each_step_its_own_tokens_behind_a_busy_stream(side_stream):
     from graphattn.capture.runner import _OutputRing
 
-    ring = _OutputRing(6, torch.device("cuda"))
+    ring = _OutputRing(6, torch.device("cuda"),
+                       stream=torch.cuda.Stream() if side_stream else None)
     src = torch.zeros(6, dtype=torch.int32, device="cuda")
     futures = []
     with no_host_sync():
