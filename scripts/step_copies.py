@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.graph_replay import event_times
 from graphattn.capture.runner import _OutputRing
 from graphattn.transfer import Uploader
 
@@ -47,18 +48,8 @@ def mapped(t: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(_CudaView(t), device="cuda")
 
 
-def time_steps(step, reps: int = 200, warmup: int = 20) -> float:
-    for _ in range(warmup):
-        step()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    torch.cuda.synchronize()
-    for a, b in ev:
-        a.record()
-        step()
-        b.record()
-    torch.cuda.synchronize()
-    return float(np.median([1e3 * a.elapsed_time(b) for a, b in ev]))
+def time_steps(step, reps: int = 200) -> float:
+    return float(np.median(event_times(step, reps, warmup=20)))
 
 
 def main() -> None:

@@ -317,6 +317,16 @@ def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
         torch.testing.assert_close(b.double(), reference(a), rtol=2e-2, atol=2e-2)
 
 
+def test_decode_config_carries_pdl_and_splits_wider_below_two_waves():
+    for programs in (1, 64, 255, 256, 791, 792, 4096):
+        for pdl in (False, True):
+            assert ops.decode_config(programs, pdl).pdl is pdl
+    assert not ops.decode_config(64).pdl  # off unless the caller knows the device has it
+    # fewer programs than two waves of 128: more splits per row
+    assert ops.decode_config(255).waves > ops.decode_config(256).waves > \
+        ops.decode_config(792).waves
+
+
 @pytest.mark.cuda
 def test_triton_pdl_is_refused_where_the_device_lacks_it(monkeypatch):
     from graphattn.backends.ops import _triton_attention
