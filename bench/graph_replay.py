@@ -251,6 +251,16 @@ def _error(mode: str, e: BaseException) -> dict:
             "traceback": traceback.format_exc()[-1200:]}
 
 
+def replay_policy(sizes: tuple[int, ...], lengths: tuple[int, ...],
+                  steps: int) -> tuple[BucketPolicy, int]:
+    """The bucket policy and the state's max length of a run: every size captured, one length
+    bucket (a power of two) above each length after `steps` + warm-up steps."""
+    max_len = max(lengths) + 16 + 2 * (WARMUP + steps) + 64
+    bounds = tuple(sorted({1 << (x + 16 + 2 * (WARMUP + steps)).bit_length() for x in lengths}))
+    return BucketPolicy(capture_sizes=tuple(sorted(sizes)),
+                        length_boundaries=tuple(b for b in bounds if b < max_len)), max_len
+
+
 def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps: int,
               modes: tuple[str, ...], emit) -> None:
     """Rows of `modes` for one model, each passed to `emit` as soon as it exists."""
@@ -265,10 +275,7 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
                 r["x_floor"] = r["us_step"] / r["floor_us"]
             emit(r)
 
-    max_len = max(lengths) + 16 + 2 * (WARMUP + steps) + 64
-    bounds = tuple(sorted({1 << (x + 16 + 2 * (WARMUP + steps)).bit_length() for x in lengths}))
-    policy = BucketPolicy(capture_sizes=tuple(sorted(sizes)),
-                          length_boundaries=tuple(b for b in bounds if b < max_len))
+    policy, max_len = replay_policy(sizes, lengths, steps)
     # built outside inference mode: inductor cannot compile over inference-tensor weights
     setup = make_setup("cuda", max(sizes), max_len, policy, cfg)
     fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32), np.random.default_rng(0))
