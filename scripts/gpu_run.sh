@@ -10,6 +10,8 @@
 #   profile        scripts/kernel_profile.py, tiny 1/512 and 128/2048 (own processes;
 #                  PROFILE_SHAPES="B:L ..."), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
+#   ab             scripts/config_ab.py (decode launch configs end to end, the peer around;
+#                  AB_ARGS)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -64,6 +66,9 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0]))
       python3 -m bench.warm_start --device cuda --compile-threads 1 --out "$OUT" 2>&1 \
         | tee -a "$OUT/warm_start.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    ab)
+      python3 scripts/config_ab.py --out "$OUT" ${AB_ARGS:-} 2>&1 | tee -a "$OUT/config_ab.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac
