@@ -59,7 +59,7 @@ class TritonConfig:
         Programmatic dependent launch of the attention and merge kernels (refused where
         `has_pdl` is False): a launch may overlap the previous kernel's tail, and every
         program waits for that kernel (``griddepcontrol.wait``) before it touches memory.
-        `decode_config` turns it on where the device has it (0.5-2.6 µs less per call in
+        `decode_config` turns it on where the device has it (0.2-1.4 µs less per call in
         bench/results/tune_attention_pdl.json).
     """
 
