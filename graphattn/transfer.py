@@ -1,4 +1,5 @@
-"""Host-to-device copies from pinned staging memory (never device->host)."""
+"""Host-to-device copies from pinned staging memory, and `side_copy` (either direction) on a
+side stream, off the current stream."""
 
 from __future__ import annotations
 

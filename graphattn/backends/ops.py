@@ -236,14 +236,15 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_q = max(1, 64 // _pow2(g))
         num_tiles = t // block_q + rows
     block_m = max(16, _pow2(block_q * g))
-    cfg = config or (decode_config(rows * hkv, has_pdl(_device_index(q.device)))
-                     if uniform_query_len else PREFILL_CONFIG)
+    device_pdl = has_pdl(_device_index(q.device))
+    cfg = config or (decode_config(rows * hkv, device_pdl) if uniform_query_len
+                     else PREFILL_CONFIG)
     block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
     num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
                             cfg.waves) if uniform_query_len else 1
     dv_pad = max(16, _pow2(dv))
     pdl = cfg.pdl
-    if pdl and not has_pdl(_device_index(q.device)):
+    if pdl and not device_pdl:
         raise ValueError(f"TritonConfig.pdl = True needs programmatic dependent launch (compute "
                          f"capability >= 9 and a Triton with gdc_wait), which {q.device} lacks")
     common = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
