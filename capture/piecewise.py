@@ -3,8 +3,8 @@ captured per padded token count; attention runs eagerly between the pieces with 
 metadata.
 
 `PiecewiseCompiler` is a torch.compile backend (dynamic shapes, fullgraph): it splits the FX
-graph at ``torch.ops.graphattn.write_kv`` / ``rope_write_kv`` / ``paged_attention``
-(consecutive ones form one attention piece), so a model with L attention layers gives L + 1
+graph at ``torch.ops.graphattn.write_kv`` / ``rope_write_kv`` / ``paged_attention`` /
+``rope_paged_decode`` (consecutive ones form one attention piece), so a model with L attention layers gives L + 1
 pieces around L attention pieces. Each piece is compiled with inductor on the fake inputs it
 sees (the default on CUDA; FX submodules elsewhere). On CUDA each piece is captured into the
 shared pool once per padded token count (`tokens` set by the runner for the step), its live
@@ -28,10 +28,10 @@ from graphattn.sync import opaque_region
 __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
 
 SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv",
-                 "graphattn::rope_write_kv")
+                 "graphattn::rope_write_kv", "graphattn::rope_paged_decode")
 _SPLIT_TARGETS = frozenset(
-    t for op in (torch.ops.graphattn.paged_attention, torch.ops.graphattn.write_kv,
-                 torch.ops.graphattn.rope_write_kv)
+    t for name in SPLITTING_OPS
+    for op in (getattr(torch.ops.graphattn, name.split("::")[1]),)
     for t in (op, op.default))
 
 

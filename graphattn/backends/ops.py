@@ -1,10 +1,11 @@
 """Attention and the KV-cache write as registered custom ops (torch.library).
 
 ``torch.ops.graphattn.paged_attention``, ``torch.ops.graphattn.write_kv`` and
-``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write) are
+``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write) and
+``torch.ops.graphattn.rope_paged_decode`` (both fused into the attention, decode rows) are
 opaque to torch.compile (fake implementations give the shapes), so a compiled forward
-keeps them as single calls: the caches are mutated in place by `write_kv` /
-`rope_write_kv` (declared in ``mutates_args``) and never copied. The piecewise mode
+keeps them as single calls: the caches are mutated in place by `write_kv`, `rope_write_kv`
+and `rope_paged_decode` (declared in ``mutates_args``) and never copied. The piecewise mode
 splits compiled graphs at the attention op.
 
 Kernels, chosen per call from the device and the `kernel` argument (CPU
@@ -38,7 +39,7 @@ from graphattn.backends.rope import apply_rope, cos_sin
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
            "gather_paged_attention", "has_pdl", "has_triton", "has_varlen_paged", "kv_bounds",
-           "resolve_kernel", "rope_write_kv", "split_plan"]
+           "resolve_kernel", "rope_paged_decode", "rope_write_kv", "split_plan"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
 
@@ -218,7 +219,11 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_table: torch.Tensor, scale: float, uniform_query_len: int,
                       max_len: int, window: int, softcap: float,
                       sinks: torch.Tensor | None,
-                      config: TritonConfig | None = None) -> torch.Tensor:
+                      config: TritonConfig | None = None,
+                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+    """`rope`: (positions, inv_freq, slot_mapping) of a one-token decode launch whose `q` is
+    the q-head view of a fused qkv (`rope_paged_decode`)."""
     from graphattn.backends.triton_kernels import merge_splits_kernel, unified_attention_kernel
 
     t, h, d = q.shape
@@ -251,7 +256,7 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
                   UNIFORM=bool(uniform_query_len), USE_SOFTCAP=softcap > 0,
                   USE_WINDOW=window > 0, USE_SINKS=sinks is not None, WRITE_LSE=False,
-                  USE_PDL=pdl)
+                  USE_PDL=pdl, ROPE_APPEND=rope is not None)
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
     if num_splits == 1:
         part, part_lse = out, out
@@ -261,7 +266,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     sink_arg = sinks if sinks is not None else out
     unified_attention_kernel[(num_tiles, hkv, num_splits)](
         out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        sink_arg, scale, softcap if softcap > 0 else 1.0, window, rows, h, t, num_splits,
+        sink_arg, *(rope or (seq_lens,) * 3), scale, softcap if softcap > 0 else 1.0, window,
+        rows, h, t, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
@@ -298,6 +304,15 @@ def _varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return varlen_attn(q, k_cache, v_cache, query_start_loc, None, max_q, max(max_len, 1),
                        scale=scale, window_size=(window - 1 if window > 0 else -1, 0),
                        enable_gqa=True, seqused_k=seq_lens, block_table=block_table)
+
+
+def _read_bounds(kv_bounds: torch.Tensor) -> tuple[int, int]:
+    """(num_kv_blocks, max_len) of a `kv_bounds` tensor; ValueError unless int64 CPU [2]."""
+    if kv_bounds.device.type != "cpu" or tuple(kv_bounds.shape) != (2,):
+        raise ValueError(f"kv_bounds must be an int64 CPU tensor of shape (2,) (reading it must "
+                         f"not sync), got shape {tuple(kv_bounds.shape)} on {kv_bounds.device}")
+    num_kv_blocks, max_len = kv_bounds.tolist()
+    return num_kv_blocks, max_len
 
 
 @torch.library.custom_op("graphattn::paged_attention", mutates_args=())
@@ -342,10 +357,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     kind = resolve_kernel(kernel, q.device)
     rows = block_table.shape[0]
-    if kv_bounds.device.type != "cpu" or tuple(kv_bounds.shape) != (2,):
-        raise ValueError(f"kv_bounds must be an int64 CPU tensor of shape (2,) (reading it must "
-                         f"not sync), got shape {tuple(kv_bounds.shape)} on {kv_bounds.device}")
-    num_kv_blocks, max_len = kv_bounds.tolist()
+    num_kv_blocks, max_len = _read_bounds(kv_bounds)
     if kind == "triton":
         uniform = decode_query_len if num_decodes == rows and rows else 0
         return _triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -409,6 +421,19 @@ def _(k, v, k_cache, v_cache, slot_mapping, kernel):
     return None
 
 
+def _check_qkv(qkv: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
+               num_kv_heads: int) -> int:
+    """head_dim of a fused qkv [T, (H + 2 Hkv) * D] (D = 2 x inv_freq's length); ValueError
+    naming the shapes otherwise."""
+    d = 2 * inv_freq.shape[0]
+    expect = (num_heads + 2 * num_kv_heads) * d
+    if qkv.dim() != 2 or qkv.shape[1] != expect:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}, expected ({qkv.shape[0]}, "
+                         f"{expect}) for {num_heads} heads, {num_kv_heads} KV heads, "
+                         f"head_dim {d}")
+    return d
+
+
 @torch.library.custom_op("graphattn::rope_write_kv", mutates_args=("k_cache", "v_cache"))
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -437,12 +462,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     torch.Tensor
         [T, H, D] rotated queries, contiguous, in qkv's dtype.
     """
-    t = qkv.shape[0]
-    d = 2 * inv_freq.shape[0]
-    expect = (num_heads + 2 * num_kv_heads) * d
-    if qkv.dim() != 2 or qkv.shape[1] != expect:
-        raise ValueError(f"qkv has shape {tuple(qkv.shape)}, expected ({t}, {expect}) for "
-                         f"{num_heads} heads, {num_kv_heads} KV heads, head_dim {d}")
+    t, d = qkv.shape[0], _check_qkv(qkv, inv_freq, num_heads, num_kv_heads)
     if resolve_kernel(kernel, qkv.device) != "triton":
         qk = apply_rope(qkv[:, : (num_heads + num_kv_heads) * d].view(t, -1, d),
                         *cos_sin(positions, inv_freq))
@@ -471,4 +491,64 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 @rope_write_kv.register_fake
 def _(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
       kernel):
+    return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])
+
+
+@torch.library.custom_op("graphattn::rope_paged_decode", mutates_args=("k_cache", "v_cache"))
+def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                      num_heads: int, num_kv_heads: int, kv_bounds: torch.Tensor, window: int,
+                      softcap: float, sinks: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    """`rope_write_kv` then `paged_attention` for a batch of one-token decode rows.
+
+    On CUDA (Triton) one launch (plus the split merge) instead of two: each row's last
+    KV split rotates the new key, writes it and the value to their slot and attends to
+    them from registers; every split reads the cache below the new position only. Other
+    kernels run the two ops.
+
+    Parameters
+    ----------
+    qkv : [T, (H + 2 Hkv) * D]
+        T >= rows; row i's token is qkv[i] (tokens past the last row: padding, output 0).
+    positions : int64 [T]; inv_freq : float32 [D / 2]
+        As in `rope_write_kv`.
+    k_cache, v_cache : [num_blocks (+ sink), block_size, Hkv, D], written in place
+    query_start_loc : int32 [rows + 1]; seq_lens : int32 [rows] (the new token counted)
+    block_table : int32 [rows, max_blocks]; slot_mapping : int64 [>= T] (-1: padded token)
+    scale : float
+    num_heads, num_kv_heads : int
+    kv_bounds, window, softcap, sinks, kernel
+        As in `paged_attention`.
+
+    Returns
+    -------
+    torch.Tensor
+        [T, H, D] in qkv's dtype; 0 for padded tokens.
+    """
+    t, d = qkv.shape[0], _check_qkv(qkv, inv_freq, num_heads, num_kv_heads)
+    rows = block_table.shape[0]
+    if t < rows:
+        raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
+    max_len = _read_bounds(kv_bounds)[1]
+    if resolve_kernel(kernel, qkv.device) == "triton":
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("rope_paged_decode with kernel 'triton' needs contiguous caches")
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        q = qkv.view(t, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
+        return _triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                 scale, 1, max_len, window, softcap, sinks,
+                                 rope=(positions, inv_freq, slot_mapping))
+    q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
+                      num_kv_heads, kernel)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                           slot_mapping, scale, rows, 1, kv_bounds, window, softcap, sinks,
+                           kernel)
+
+
+@rope_paged_decode.register_fake
+def _(qkv, positions, inv_freq, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+      slot_mapping, scale, num_heads, num_kv_heads, kv_bounds, window, softcap, sinks, kernel):
     return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])

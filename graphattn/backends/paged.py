@@ -227,7 +227,9 @@ class PagedAttentionImpl:
         """Attention output from a fused qkv projection, rotary embedding applied here.
 
         ``torch.ops.graphattn.rope_write_kv`` rotates q and k (NeoX halves) and writes
-        K/V in one launch, then the attention op runs: two launches per layer on CUDA.
+        K/V in one launch, then the attention op runs: two launches per layer on CUDA. A
+        batch of one-token decode rows (the plan says so) runs
+        ``torch.ops.graphattn.rope_paged_decode`` instead: both in one launch.
 
         Parameters
         ----------
@@ -242,6 +244,13 @@ class PagedAttentionImpl:
             [T, H, D]; padded tokens give 0.
         """
         k_cache, v_cache = kv_cache
+        rows = meta.block_table.shape[0]
+        if meta.decode_query_len == 1 and meta.num_decodes == rows > 0:
+            return torch.ops.graphattn.rope_paged_decode(
+                qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc,
+                meta.seq_lens, meta.block_table, meta.slot_mapping, self.scale, self.num_heads,
+                self.num_kv_heads, meta.kv_bounds, self.window, self.softcap, self.sinks,
+                self.kernel)
         q = torch.ops.graphattn.rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache,
                                               meta.slot_mapping, self.num_heads,
                                               self.num_kv_heads, self.kernel)

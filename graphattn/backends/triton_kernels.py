@@ -38,9 +38,19 @@ def _find_row(query_start_loc, num_rows, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _log2_logits(s, scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """Scaled (and soft-capped: cap * tanh(s * scale / cap)) logits in log2 units."""
+    if USE_SOFTCAP:
+        x = s * (scale / softcap)
+        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+    return s * (scale * 1.4426950408889634)
+
+
+@triton.jit
 def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
+    positions, inv_freq, slot_mapping,
     scale, softcap, window,
     num_rows, num_heads, num_tokens, num_splits,
     stride_qt, stride_qh,
@@ -53,8 +63,14 @@ def unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
+    WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
 ):
+    """ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1): `q` is the q-head view of
+    a fused qkv [T, (H + 2 Hkv) * D] (k and v heads follow the q heads of each token); q and
+    the new k are rotated here (NeoX halves, angle positions[t] * inv_freq), the row's last
+    split writes k and v to slot ``slot_mapping[t]`` and attends to them from registers, and
+    every split reads the cache below the new position only (so no program reads a slot
+    another writes)."""
     if USE_PDL:  # launched early: the previous kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
@@ -95,11 +111,39 @@ def unified_attention_kernel(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     tok = q_start + t
-    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = q + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    qv = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
     pos = ctx + t  # causal: query at position pos sees keys [lo, pos]
     kv_hi = tl.minimum(ctx + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len), seq_len)
+    if ROPE_APPEND:
+        half: tl.constexpr = HEAD_DIM // 2
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        ang = tl.load(positions + q_start).to(tl.float32) * tl.load(
+            inv_freq + tl.where(first, offs_d, offs_d - half), mask=d_ok, other=0.0)
+        cos = tl.cos(ang)[None, :]
+        sin = tl.where(first, -tl.sin(ang), tl.sin(ang))[None, :]
+        qp = tl.load(q_rows + partner[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        qv = (qv.to(tl.float32) * cos + qp.to(tl.float32) * sin).to(q.dtype.element_ty)
+        k_new_at = q + q_start * stride_qt + (num_heads + kvh) * stride_qh
+        k_new = (tl.load(k_new_at + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+                 .to(tl.float32) * cos + tl.load(k_new_at + partner[None, :],
+                                                 mask=d_ok[None, :], other=0.0)
+                 .to(tl.float32) * sin).to(k_cache.dtype.element_ty)  # [1, D_PAD]
+        v_new = tl.load(q + q_start * stride_qt
+                        + (num_heads + tl.num_programs(1) + kvh) * stride_qh + offs_dv[None, :],
+                        mask=dv_ok[None, :], other=0.0).to(v_cache.dtype.element_ty)
+        last = split == num_splits - 1
+        new_slot = tl.load(slot_mapping + q_start)
+        page_of = new_slot // PAGE
+        in_page = new_slot % PAGE
+        w_ok = last & (new_slot >= 0)
+        tl.store(k_cache + page_of * stride_kb + in_page * stride_ks + kvh * stride_kh
+                 + offs_d[None, :], k_new, mask=d_ok[None, :] & w_ok)
+        tl.store(v_cache + page_of * stride_vb + in_page * stride_vs + kvh * stride_vh
+                 + offs_dv[None, :], v_new, mask=dv_ok[None, :] & w_ok)
+        kv_hi = ctx  # the new position comes from registers
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
@@ -118,7 +162,6 @@ def unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # log2(e)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)
@@ -127,12 +170,7 @@ def unified_attention_kernel(
         kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
                      + kvh * stride_kh + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(qv, kt)
-        if USE_SOFTCAP:
-            x = s * (scale / softcap)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
+        s = _log2_logits(tl.dot(qv, kt), scale, softcap, USE_SOFTCAP)
         vis = m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if USE_WINDOW:
             vis = vis & (offs_n[None, :] > pos[:, None] - window)
@@ -146,6 +184,17 @@ def unified_attention_kernel(
                      + kvh * stride_vh + offs_dv[None, :],
                      mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
+    if ROPE_APPEND:  # the new key, seen by every query head of the row (last split only)
+        sn = _log2_logits(tl.sum(qv.to(tl.float32) * k_new.to(tl.float32), 1), scale, softcap,
+                          USE_SOFTCAP)
+        sn = tl.where(m_ok & last, sn, float("-inf"))
+        m_new = tl.maximum(m_i, sn)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sn - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
         m_i = m_new
 
     # m_i, l_i are in log2 units from here on

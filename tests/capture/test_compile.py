@@ -106,8 +106,8 @@ def test_compiled_forward_writing_kv_in_place_is_captured(device):
 
 
 def test_runner_compile_writes_caches_in_place_with_no_recompile():
-    """GraphRunner(compile=True): inductor code calls the rope_write_kv custom op on the
-    cache buffers themselves (no copy of any cache), one compile serves both length buckets of
+    """GraphRunner(compile=True): inductor code calls the fused decode custom op
+    (rope_paged_decode: both keys are one-token decode keys) on the cache buffers themselves (no copy of any cache), one compile serves both length buckets of
     the batch shape (the bounds reach the op as a CPU tensor), and steady-state steps never
     recompile."""
     import numpy as np
@@ -128,7 +128,7 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile():
     report, codes = run_and_get_code(runner.capture, progress=False)
     assert report.num_graphs == 2 and runner.compiler.num_compiles == 1
     code = "\n".join(codes)
-    assert code.count("torch.ops.graphattn.rope_write_kv.default(") == 2  # 2 layers, 1 compile
+    assert code.count("torch.ops.graphattn.rope_paged_decode.default(") == 2  # 2 layers
     assert "index_copy" not in code and ".copy_(" not in code  # no cache is copied
     seq = {runner.add_request("a", [3, 1, 4]): [3, 1, 4], runner.add_request("b", [5, 9]): [5, 9]}
     slots = np.array(sorted(seq), np.int32)

@@ -337,3 +337,117 @@ def test_triton_pdl_is_refused_where_the_device_lacks_it(monkeypatch):
                                          r"dependent launch"):
         _triton_attention(q, kc, vc, qsl, seq, bt, 0.125, 1, 32, 0, 0.0, None,
                           config=ops.TritonConfig(pdl=True))
+
+
+def _decode_qkv_case(device, dtype, lens=(1, 37, 64, 13), h=8, hkv=2, d=32, bs=8, nblk=8,
+                     seed=0):
+    """One-token decode rows at `lens` (the new token counted) and two padded tokens:
+    (qkv, positions, inv_freq, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+    slot_mapping), on `device`."""
+    from graphattn.backends.rope import inv_frequencies
+
+    g = torch.Generator().manual_seed(seed)
+    rows, t = len(lens), len(lens) + 2
+    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, generator=g).to(dtype)
+              for _ in range(2))
+    bt = torch.randperm(rows * nblk, generator=g).int().view(rows, nblk)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    pos = torch.zeros(t, dtype=torch.int64)
+    pos[:rows] = seq - 1
+    slots = torch.full((t,), -1, dtype=torch.int64)
+    slots[:rows] = bt[torch.arange(rows), (seq - 1) // bs].long() * bs + (seq - 1) % bs
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    qsl = torch.arange(rows + 1, dtype=torch.int32)
+    return [x.to(device) for x in (qkv, pos, inv_frequencies(d, 1e4, "cpu"), kc, vc, qsl, seq,
+                                   bt, slots)]
+
+
+def _decode_qkv_reference(case, h, hkv, window, softcap, sinks):
+    """float64 output and caches of `_decode_qkv_case` (rotations rounded to the dtype)."""
+    qkv, pos, _, kc, vc, qsl, seq, bt, slots = (x.cpu() for x in case)
+    t, d, rows = qkv.shape[0], kc.shape[-1], bt.shape[0]
+    x = qkv.double().view(t, h + 2 * hkv, d)
+    q = _rope_reference(x[:, :h], pos, 1e4).to(qkv.dtype).double()
+    kc, vc = kc.double().clone(), vc.double().clone()
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    flat_k[slots[:rows]] = _rope_reference(x[:rows, h:h + hkv], pos[:rows], 1e4) \
+        .to(qkv.dtype).double()
+    flat_v[slots[:rows]] = x[:rows, h + hkv:].to(qkv.dtype).double()
+    sk = None if sinks is None else sinks.double().cpu()
+    out = ops.gather_paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, 1,
+                                     bt.shape[1], window, softcap, sk)
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize(("device", "dtype", "split", "tol"), [
+    ("cpu", torch.float32, True, 1e-4),
+    pytest.param("cuda", torch.float32, True, 2e-3, marks=pytest.mark.cuda),
+    pytest.param("cuda", torch.bfloat16, True, 2e-2, marks=pytest.mark.cuda),
+    pytest.param("cuda", torch.bfloat16, False, 2e-2, marks=pytest.mark.cuda)])
+def test_rope_paged_decode_matches_float64_reference(feature, device, dtype, split, tol,
+                                                     monkeypatch):
+    """Rotation, the K/V write and attention of one-token decode rows in one op (one Triton
+    launch + merge on CUDA, split or not): output, written slots and untouched slots against
+    float64; on CUDA again from a captured graph replayed at new device lengths."""
+    if not split:
+        monkeypatch.setattr(ops, "decode_config", lambda programs, pdl=False: ops.TritonConfig(
+            block_n=16, waves=0, pdl=pdl))
+    h, hkv, nblk, bs = 8, 2, 8, 8
+    feats = dict(FEATURES[feature])
+    window, softcap = feats.get("window", 0), feats.get("softcap", 0.0)
+    sinks = (torch.randn(h) * 2).to(device, dtype) if feats.get("sinks") else None
+
+    def run(case):
+        with no_host_sync():
+            return torch.ops.graphattn.rope_paged_decode(
+                *case, 32 ** -0.5, h, hkv, kv_bounds(nblk, nblk * bs),
+                window, softcap, sinks, "auto")
+
+    def check(case, out, before):
+        ref, kref, vref = _decode_qkv_reference([*case[:3], *before, *case[5:]], h, hkv,
+                                                window, softcap, sinks)
+        rows = case[7].shape[0]
+        torch.testing.assert_close(out[:rows].double().cpu(), ref[:rows], rtol=tol, atol=tol)
+        assert out[rows:].abs().sum().item() == 0  # padded tokens
+        real = slice(0, -bs)  # the torch path parks padded tokens in the sink block
+        for got, want in ((case[3], kref), (case[4], vref)):
+            torch.testing.assert_close(got.double().cpu()[real], want[real], rtol=tol, atol=tol)
+
+    case = _decode_qkv_case(device, dtype)
+    before = [case[3].clone(), case[4].clone()]
+    check(case, run(case), before)
+    if device != "cuda":
+        return
+    new = _decode_qkv_case(device, dtype, lens=(64, 2, 20, 50), seed=1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(case)
+    for x, y in zip(case, new, strict=True):
+        x.copy_(y)
+    before = [case[3].clone(), case[4].clone()]
+    with no_host_sync():
+        graph.replay()
+    check(case, out, before)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(device):
+    case = _decode_qkv_case(device, torch.float32)
+    h, hkv, bounds = 8, 2, kv_bounds(8, 64)
+    tail = (0.2, h, hkv, bounds, 0, 0.0, None, "auto")
+    op = torch.ops.graphattn.rope_paged_decode
+    if device == "meta":
+        out = op(*case, *tail)
+        assert out.shape == (case[0].shape[0], h, 32) and out.device.type == "meta"
+        return
+    torch.library.opcheck(op.default, (*case, *tail))
+    before = [case[3].clone(), case[4].clone()]
+    with pytest.raises(ValueError, match=r"qkv has shape \(6, 384\), expected \(6, 448\)"):
+        op(*case, 0.2, h + 2, hkv, bounds, 0, 0.0, None, "auto")
+    with pytest.raises(ValueError, match="kv_bounds must be an int64 CPU tensor"):
+        op(*case, 0.2, h, hkv, bounds.to(device).float()[None], 0, 0.0, None, "auto")
+    with pytest.raises(ValueError, match=r"qkv has 3 tokens, expected >= 4"):
+        op(case[0][:3], *case[1:], *tail)
+    assert torch.equal(case[3], before[0]) and torch.equal(case[4], before[1])

@@ -1,0 +1,70 @@
+"""The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
+Triton compiles anything, hence a child process), against the float64 references of
+test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
+the K/V write, and the fused rope + write + decode attention. The GPU runs the same kernels
+compiled (the cuda tests of test_ops); this catches a logic error on any machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="Triton is not installed")
+
+
+def test_triton_kernels_match_the_reference_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", __name__], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "checked" in proc.stdout
+
+
+def main() -> None:
+    import torch
+
+    from graphattn.backends import ops
+    from tests.graphattn.backends import test_ops as t
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1")
+    resolve = ops.resolve_kernel
+    # CPU tensors through the Triton path: the device questions answered for a CPU
+    ops.resolve_kernel = lambda kernel, device: "triton" if kernel == "triton" else resolve(
+        kernel, device)
+    ops._device_index = lambda device: 0
+    ops.has_pdl = lambda index: False
+    ops._num_sms = lambda device: 8
+    for name in ("mixed", "decode", "spec_async"):
+        for feature in sorted(t.FEATURES):
+            t.run_steps(name, t.FEATURES[feature], "cpu", "triton", torch.float32, steps=3,
+                        tol=1e-4)
+    h, hkv = 8, 2
+    for feature in sorted(t.FEATURES):
+        f = t.FEATURES[feature]
+        sinks = torch.randn(h) if f.get("sinks") else None
+        for waves in (0, 64):
+            case = t._decode_qkv_case("cpu", torch.float32)
+            qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
+            ref, kref, vref = t._decode_qkv_reference(case, h, hkv, f.get("window", 0),
+                                                      f.get("softcap", 0.0), sinks)
+            q = qkv.view(qkv.shape[0], h + 2 * hkv, -1)[:, :h]
+            out = ops._triton_attention(q, kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64,
+                                        f.get("window", 0), f.get("softcap", 0.0), sinks,
+                                        config=ops.TritonConfig(block_n=16, waves=waves),
+                                        rope=(pos, inv, slots))
+            rows = bt.shape[0]
+            torch.testing.assert_close(out[:rows].double(), ref[:rows], rtol=1e-4, atol=1e-4)
+            assert out[rows:].abs().sum().item() == 0
+            torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vc.double(), vref)
+    print("checked")
+
+
+if __name__ == "__main__":
+    main()
