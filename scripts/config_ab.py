@@ -3,7 +3,8 @@ CUDA only): the compiled runner's step and its graph alone for each variant, the
 hand-written compiled peer timed before and after them (drift shows as their difference).
 
     python scripts/config_ab.py [--model 1b] [--batch 32] [--length 512] [--steps 50]
-                                [--variants default,stages3,nosplit,nopdl,noattn] [--out DIR]
+                                [--variants default,nofuse,stages3,nosplit,nopdl,noattn]
+                                [--out DIR]
 
 Variants patch `graphattn.backends.ops` before each runner is captured (the op's Python
 implementation runs at capture, so one compiled forward serves them all):
@@ -13,7 +14,9 @@ implementation runs at capture, so one compiled forward serves them all):
 - ``nosplit``: waves 0 (no split, no merge launch);
 - ``nopdl``: without programmatic dependent launch;
 - ``noattn``: the attention call replaced by an empty output, to place its in-graph cost
-  (the tokens are garbage; only the time means anything).
+  (the tokens are garbage; only the time means anything);
+- ``nofuse``: `rope_write_kv` then attention (``PagedAttentionImpl(fuse_rope=False)``)
+  instead of the fused ``rope_paged_decode``.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ FIELDS = {"stages": "num_stages", "waves": "waves"}
 
 
 @contextlib.contextmanager
-def patched(variant: str) -> Iterator[None]:
+def patched(variant: str, impl) -> Iterator[None]:
     orig_config, orig_attention = ops.decode_config, ops._triton_attention
-    if variant == "nopdl":
+    impl.fuse_rope = variant != "nofuse"
+    if variant in ("nofuse", "default"):
+        pass
+    elif variant == "nopdl":
         ops.decode_config = lambda programs, pdl=False: orig_config(programs, False)
     elif variant == "nosplit":
         ops.decode_config = lambda programs, pdl=False: dataclasses.replace(
@@ -53,7 +59,7 @@ def patched(variant: str) -> Iterator[None]:
     elif variant == "noattn":
         ops._triton_attention = lambda q, k_cache, v_cache, *a, **k: q.new_empty(
             q.shape[0], q.shape[1], v_cache.shape[-1])
-    elif variant != "default":
+    else:
         field = FIELDS[variant.rstrip("0123456789")]
         value = int(variant[len(variant.rstrip("0123456789")):])
         ops.decode_config = lambda programs, pdl=False: dataclasses.replace(
@@ -62,6 +68,7 @@ def patched(variant: str) -> Iterator[None]:
         yield
     finally:
         ops.decode_config, ops._triton_attention = orig_config, orig_attention
+        impl.fuse_rope = True
 
 
 def main() -> None:
@@ -70,7 +77,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--variants", default="default,stages3,nosplit,nopdl,noattn")
+    ap.add_argument("--variants", default="default,nofuse,stages3,nosplit,nopdl,noattn")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     cfg, sizes, lengths = MODELS[args.model], (args.batch,), (args.length,)
@@ -88,7 +95,7 @@ def main() -> None:
 
     rows = peer("peer_before")
     for variant in args.variants.split(","):
-        with patched(variant):
+        with patched(variant, setup.model.impl):
             runner = GraphRunner(setup.model, setup.state, policy=policy, compile=True)
             runner.graphs.keep_graphs = True
             report = runner.capture(progress=False)

@@ -177,11 +177,16 @@ class PagedAttentionImpl:
         [num_heads] learned sink logits.
     kernel : {"auto", "triton", "varlen", "torch"}
         See `graphattn.backends.ops`; "auto" is Triton on CUDA, torch elsewhere.
+    fuse_rope : bool
+        `forward_qkv` on a batch of one-token decode rows runs
+        ``torch.ops.graphattn.rope_paged_decode`` (rotation, K/V write and attention in one
+        launch); False: `rope_write_kv` then attention, as for every other batch.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0,
-                 sinks: torch.Tensor | None = None, kernel: str = "auto") -> None:
+                 sinks: torch.Tensor | None = None, kernel: str = "auto",
+                 fuse_rope: bool = True) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads or num_heads
@@ -198,6 +203,7 @@ class PagedAttentionImpl:
         self.softcap = float(softcap)
         self.sinks = sinks
         self.kernel = kernel
+        self.fuse_rope = fuse_rope
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -245,7 +251,7 @@ class PagedAttentionImpl:
         """
         k_cache, v_cache = kv_cache
         rows = meta.block_table.shape[0]
-        if meta.decode_query_len == 1 and meta.num_decodes == rows > 0:
+        if self.fuse_rope and meta.decode_query_len == 1 and meta.num_decodes == rows > 0:
             return torch.ops.graphattn.rope_paged_decode(
                 qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc,
                 meta.seq_lens, meta.block_table, meta.slot_mapping, self.scale, self.num_heads,

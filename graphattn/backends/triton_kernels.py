@@ -162,6 +162,13 @@ def unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    if ROPE_APPEND:  # the softmax starts from the new key (last split), so nothing of it
+        # stays live through the loop
+        m_i = _log2_logits(tl.sum(qv.to(tl.float32) * k_new.to(tl.float32), 1), scale,
+                           softcap, USE_SOFTCAP)
+        m_i = tl.where(m_ok & last, m_i, float("-inf"))
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+        acc = l_i[:, None] * v_new.to(tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)
@@ -184,17 +191,6 @@ def unified_attention_kernel(
                      + kvh * stride_vh + offs_dv[None, :],
                      mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
-        m_i = m_new
-    if ROPE_APPEND:  # the new key, seen by every query head of the row (last split only)
-        sn = _log2_logits(tl.sum(qv.to(tl.float32) * k_new.to(tl.float32), 1), scale, softcap,
-                          USE_SOFTCAP)
-        sn = tl.where(m_ok & last, sn, float("-inf"))
-        m_new = tl.maximum(m_i, sn)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sn - m_safe)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
         m_i = m_new
 
     # m_i, l_i are in log2 units from here on

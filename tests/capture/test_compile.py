@@ -107,7 +107,8 @@ def test_compiled_forward_writing_kv_in_place_is_captured(device):
 
 def test_runner_compile_writes_caches_in_place_with_no_recompile():
     """GraphRunner(compile=True): inductor code calls the fused decode custom op
-    (rope_paged_decode: both keys are one-token decode keys) on the cache buffers themselves (no copy of any cache), one compile serves both length buckets of
+    (rope_paged_decode: both keys are one-token decode keys) on the cache buffers themselves
+    (no copy of any cache), one compile serves both length buckets of
     the batch shape (the bounds reach the op as a CPU tensor), and steady-state steps never
     recompile."""
     import numpy as np
