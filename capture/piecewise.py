@@ -6,10 +6,10 @@ metadata.
 graph at ``torch.ops.graphattn.write_kv`` / ``rope_write_kv`` / ``paged_attention`` /
 ``rope_paged_decode`` (consecutive ones form one attention piece), so a model with L
 attention layers gives L + 1 pieces around L attention pieces. Each piece is compiled with
-inductor on the fake inputs it sees (the default on CUDA; FX submodules elsewhere). On CUDA each piece is captured into the
-shared pool once per padded token count (`tokens` set by the runner for the step), its live
-activations copied into the captured static inputs before each replay (weights stay by
-reference).
+inductor on the fake inputs it sees (the default on CUDA; FX submodules elsewhere). On CUDA
+each piece is captured into the shared pool once per padded token count (`tokens` set by the
+runner for the step), its live activations copied into the captured static inputs before
+each replay (weights stay by reference).
 """
 
 from __future__ import annotations
