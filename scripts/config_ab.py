@@ -3,7 +3,7 @@ CUDA only): the compiled runner's step and its graph alone for each variant, the
 hand-written compiled peer timed before and after them (drift shows as their difference).
 
     python scripts/config_ab.py [--model 1b] [--batch 32] [--length 512] [--steps 50]
-                                [--variants default,nofuse,stages3,nosplit,nopdl,noattn]
+                                [--variants default,fuse,nofuse,stages3,nosplit,nopdl,noattn]
                                 [--out DIR]
 
 Variants patch `graphattn.backends.ops` before each runner is captured (the op's Python
@@ -15,8 +15,8 @@ implementation runs at capture, so one compiled forward serves them all):
 - ``nopdl``: without programmatic dependent launch;
 - ``noattn``: the attention call replaced by an empty output, to place its in-graph cost
   (the tokens are garbage; only the time means anything);
-- ``nofuse``: `rope_write_kv` then attention (``PagedAttentionImpl(fuse_rope=False)``)
-  instead of the fused ``rope_paged_decode``.
+- ``nofuse`` / ``fuse``: `rope_write_kv` then attention / the fused ``rope_paged_decode``
+  (``PagedAttentionImpl.fuse_rope`` False / True; ``default``: as `fuse_rope_decode` picks).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ FIELDS = {"stages": "num_stages", "waves": "waves"}
 @contextlib.contextmanager
 def patched(variant: str, impl) -> Iterator[None]:
     orig_config, orig_attention = ops.decode_config, ops._triton_attention
-    impl.fuse_rope = variant != "nofuse"
-    if variant in ("nofuse", "default"):
+    impl.fuse_rope = {"nofuse": False, "fuse": True}.get(variant)
+    if variant in ("nofuse", "fuse", "default"):
         pass
     elif variant == "nopdl":
         ops.decode_config = lambda programs, pdl=False: orig_config(programs, False)
@@ -68,7 +68,7 @@ def patched(variant: str, impl) -> Iterator[None]:
         yield
     finally:
         ops.decode_config, ops._triton_attention = orig_config, orig_attention
-        impl.fuse_rope = True
+        impl.fuse_rope = None
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--variants", default="default,nofuse,stages3,nosplit,nopdl,noattn")
+    ap.add_argument("--variants", default="default,fuse,nofuse,stages3,nosplit,nopdl,noattn")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     cfg, sizes, lengths = MODELS[args.model], (args.batch,), (args.length,)

@@ -37,7 +37,7 @@ from graphattn.backends.kernels import (
 )
 from graphattn.backends.rope import apply_rope, cos_sin
 
-__all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config",
+__all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config", "fuse_rope_decode",
            "gather_paged_attention", "has_pdl", "has_triton", "has_varlen_paged", "kv_bounds",
            "resolve_kernel", "rope_paged_decode", "rope_write_kv", "split_plan"]
 
@@ -62,6 +62,9 @@ class TritonConfig:
         program waits for that kernel (``griddepcontrol.wait``) before it touches memory.
         `decode_config` turns it on where the device has it (0.2-1.4 µs less per call in
         bench/results/tune_attention_pdl.json).
+    fuse_rope : bool
+        One-token decode launches of this config may take the rotary embedding and the
+        K/V write in (`rope_paged_decode`; see `fuse_rope_decode`).
     """
 
     block_n: int = 64
@@ -69,6 +72,7 @@ class TritonConfig:
     num_stages: int = 2
     waves: int = 2
     pdl: bool = False
+    fuse_rope: bool = False
 
 
 PREFILL_CONFIG = TritonConfig()
@@ -92,11 +96,13 @@ def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
         `TritonConfig.pdl` of the result (the caller knows the device: `has_pdl`).
     """
     if programs < 32:
-        return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2, pdl=pdl)
+        return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2, pdl=pdl,
+                            fuse_rope=True)
     if programs < 2 * 128:
         return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=4, pdl=pdl)
     if programs < 6 * 132:
-        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2, pdl=pdl)
+        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2, pdl=pdl,
+                            fuse_rope=True)
     return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1, pdl=pdl)
 
 
@@ -244,9 +250,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     device_pdl = has_pdl(_device_index(q.device))
     cfg = config or (decode_config(rows * hkv, device_pdl) if uniform_query_len
                      else PREFILL_CONFIG)
-    block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
-    num_splits = split_plan(rows, hkv, max_len, block_n, _num_sms(q.device),
-                            cfg.waves) if uniform_query_len else 1
+    block_n, num_splits = _tiles(cfg, rows, hkv, max(d, dv), max_len, q.device,
+                                 bool(uniform_query_len))
     dv_pad = max(16, _pow2(dv))
     pdl = cfg.pdl
     if pdl and not device_pdl:
@@ -279,6 +284,37 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             S_PAD=max(2, _pow2(num_splits)), USE_SINKS=sinks is not None, WRITE_LSE=False,
             USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+def _tiles(cfg: TritonConfig, rows: int, num_kv_heads: int, head_dim: int, max_len: int,
+           device: torch.device, uniform: bool) -> tuple[int, int]:
+    """(keys per tile, KV splits) of a launch (splits: uniform decode keys only)."""
+    block_n = cfg.block_n if head_dim <= 128 else min(cfg.block_n, 32)
+    if not uniform:
+        return block_n, 1
+    return block_n, split_plan(rows, num_kv_heads, max_len, block_n, _num_sms(device),
+                               cfg.waves)
+
+
+def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
+                     device: torch.device, kernel: str = "auto") -> bool:
+    """Whether a batch of `rows` one-token decode rows runs `rope_paged_decode` rather than
+    `rope_write_kv` then attention (CPU numbers only; `PagedAttentionImpl.forward_qkv`).
+
+    Fused, every program rotates its queries before its loop and holds more registers
+    (sm90, head_dim 64: 92 against 64 at 64-key tiles, 112 against 96 at 128;
+    `scripts/kernel_resources.py`), so fewer programs fit an SM. Measured on the H200
+    (1b model, bench/results/config_ab_*.json and graph_replay.json): that pays where few
+    programs split the KV axis (1 row: 1.5-4 % per step less; 32 rows: 1-2 %) and costs
+    where programs are many or in the four-wave bracket (128 rows x 2048: +14 %; 8 rows x
+    2048: +3 %). Hence `TritonConfig.fuse_rope` of `decode_config`, and only where the
+    launch splits. Kernels other than Triton: True (the op runs the two ops itself).
+    """
+    if resolve_kernel(kernel, device) != "triton":
+        return True
+    cfg = decode_config(rows * num_kv_heads)
+    return cfg.fuse_rope and _tiles(cfg, rows, num_kv_heads, head_dim, max_len, device,
+                                    True)[1] > 1
 
 
 @functools.cache
@@ -503,10 +539,11 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
                       softcap: float, sinks: torch.Tensor | None, kernel: str) -> torch.Tensor:
     """`rope_write_kv` then `paged_attention` for a batch of one-token decode rows.
 
-    On CUDA (Triton) one launch (plus the split merge) instead of two: each row's last
-    KV split rotates the new key, writes it and the value to their slot and attends to
-    them from registers; every split reads the cache below the new position only. Other
-    kernels run the two ops.
+    On CUDA (Triton; a power-of-two head_dim >= 16 for K and V) one launch (plus the split
+    merge) instead of two: every program rotates its queries, each row's last KV split
+    rotates the new key, writes it and the value to their slot and seeds its softmax with
+    them from registers; every split reads the cache below the new position only.
+    Otherwise the two ops run.
 
     Parameters
     ----------
@@ -532,7 +569,8 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     if t < rows:
         raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
     max_len = _read_bounds(kv_bounds)[1]
-    if resolve_kernel(kernel, qkv.device) == "triton":
+    if (resolve_kernel(kernel, qkv.device) == "triton" and d == _pow2(d) >= 16
+            and k_cache.shape[-1] == v_cache.shape[-1] == d):
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("rope_paged_decode with kernel 'triton' needs contiguous caches")
         if qkv.stride(-1) != 1:

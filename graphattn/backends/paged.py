@@ -10,7 +10,7 @@ import torch
 
 from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
 from graphattn.backends.kernels import block_count
-from graphattn.backends.ops import KERNELS, kv_bounds
+from graphattn.backends.ops import KERNELS, fuse_rope_decode, kv_bounds
 from graphattn.backends.registry import BackendMetadata, PadValue
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -177,16 +177,17 @@ class PagedAttentionImpl:
         [num_heads] learned sink logits.
     kernel : {"auto", "triton", "varlen", "torch"}
         See `graphattn.backends.ops`; "auto" is Triton on CUDA, torch elsewhere.
-    fuse_rope : bool
-        `forward_qkv` on a batch of one-token decode rows runs
+    fuse_rope : bool, optional
+        Whether `forward_qkv` on a batch of one-token decode rows runs
         ``torch.ops.graphattn.rope_paged_decode`` (rotation, K/V write and attention in one
-        launch); False: `rope_write_kv` then attention, as for every other batch.
+        launch) or `rope_write_kv` then attention, as for every other batch. None: where it
+        is measured faster (`graphattn.backends.ops.fuse_rope_decode`).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0,
                  sinks: torch.Tensor | None = None, kernel: str = "auto",
-                 fuse_rope: bool = True) -> None:
+                 fuse_rope: bool | None = None) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads or num_heads
@@ -235,7 +236,8 @@ class PagedAttentionImpl:
         ``torch.ops.graphattn.rope_write_kv`` rotates q and k (NeoX halves) and writes
         K/V in one launch, then the attention op runs: two launches per layer on CUDA. A
         batch of one-token decode rows (the plan says so) runs
-        ``torch.ops.graphattn.rope_paged_decode`` instead: both in one launch.
+        ``torch.ops.graphattn.rope_paged_decode`` instead where `fuse_rope` says so: both
+        in one launch.
 
         Parameters
         ----------
@@ -251,7 +253,10 @@ class PagedAttentionImpl:
         """
         k_cache, v_cache = kv_cache
         rows = meta.block_table.shape[0]
-        if self.fuse_rope and meta.decode_query_len == 1 and meta.num_decodes == rows > 0:
+        if meta.decode_query_len == 1 and meta.num_decodes == rows > 0 and (
+                self.fuse_rope if self.fuse_rope is not None else fuse_rope_decode(
+                    rows, self.num_kv_heads, self.head_dim, meta.max_len, qkv.device,
+                    self.kernel)):
             return torch.ops.graphattn.rope_paged_decode(
                 qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc,
                 meta.seq_lens, meta.block_table, meta.slot_mapping, self.scale, self.num_heads,

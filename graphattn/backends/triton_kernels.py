@@ -47,6 +47,15 @@ def _log2_logits(s, scale, softcap, USE_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x1, x2, c, s, dtype: tl.constexpr):
+    """NeoX rotation of the halves (x1, x2) by angles with cosine c and sine s, in float32,
+    rounded to `dtype`."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return (x1 * c - x2 * s).to(dtype), (x2 * c + x1 * s).to(dtype)
+
+
+@triton.jit
 def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
@@ -65,7 +74,8 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
 ):
-    """ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1): `q` is the q-head view of
+    """ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
+    equal to HEAD_DIM_V): `q` is the q-head view of
     a fused qkv [T, (H + 2 Hkv) * D] (k and v heads follow the q heads of each token); q and
     the new k are rotated here (NeoX halves, angle positions[t] * inv_freq), the row's last
     split writes k and v to slot ``slot_mapping[t]`` and attends to them from registers, and
@@ -112,38 +122,37 @@ def unified_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     tok = q_start + t
     q_rows = q + tok[:, None] * stride_qt + head[:, None] * stride_qh
-    qv = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-
     pos = ctx + t  # causal: query at position pos sees keys [lo, pos]
     kv_hi = tl.minimum(ctx + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len), seq_len)
-    if ROPE_APPEND:
+    if ROPE_APPEND:  # head_dim == D_PAD here: halves load contiguous, no mask along them
         half: tl.constexpr = HEAD_DIM // 2
-        first = offs_d < half
-        partner = tl.where(first, offs_d + half, offs_d - half)
-        ang = tl.load(positions + q_start).to(tl.float32) * tl.load(
-            inv_freq + tl.where(first, offs_d, offs_d - half), mask=d_ok, other=0.0)
-        cos = tl.cos(ang)[None, :]
-        sin = tl.where(first, -tl.sin(ang), tl.sin(ang))[None, :]
-        qp = tl.load(q_rows + partner[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        qv = (qv.to(tl.float32) * cos + qp.to(tl.float32) * sin).to(q.dtype.element_ty)
-        k_new_at = q + q_start * stride_qt + (num_heads + kvh) * stride_qh
-        k_new = (tl.load(k_new_at + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-                 .to(tl.float32) * cos + tl.load(k_new_at + partner[None, :],
-                                                 mask=d_ok[None, :], other=0.0)
-                 .to(tl.float32) * sin).to(k_cache.dtype.element_ty)  # [1, D_PAD]
-        v_new = tl.load(q + q_start * stride_qt
-                        + (num_heads + tl.num_programs(1) + kvh) * stride_qh + offs_dv[None, :],
-                        mask=dv_ok[None, :], other=0.0).to(v_cache.dtype.element_ty)
+        offs_h = tl.arange(0, half)
+        ang = tl.load(positions + q_start).to(tl.float32) * tl.load(inv_freq + offs_h)
+        c = tl.cos(ang)
+        sn = tl.sin(ang)
+        q1, q2 = _rotate(tl.load(q_rows + offs_h[None, :], mask=m_ok[:, None], other=0.0),
+                         tl.load(q_rows + half + offs_h[None, :], mask=m_ok[:, None],
+                                 other=0.0), c[None, :], sn[None, :], q.dtype.element_ty)
+        qv = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, D_PAD))
+        k_at = q + q_start * stride_qt + (num_heads + kvh) * stride_qh
+        k1, k2 = _rotate(tl.load(k_at + offs_h), tl.load(k_at + half + offs_h), c, sn,
+                         k_cache.dtype.element_ty)
+        v_new = tl.load(q + q_start * stride_qt + (num_heads + tl.num_programs(1) + kvh)
+                        * stride_qh + offs_dv, mask=dv_ok, other=0.0).to(v_cache.dtype.element_ty)
         last = split == num_splits - 1
         new_slot = tl.load(slot_mapping + q_start)
-        page_of = new_slot // PAGE
-        in_page = new_slot % PAGE
         w_ok = last & (new_slot >= 0)
-        tl.store(k_cache + page_of * stride_kb + in_page * stride_ks + kvh * stride_kh
-                 + offs_d[None, :], k_new, mask=d_ok[None, :] & w_ok)
-        tl.store(v_cache + page_of * stride_vb + in_page * stride_vs + kvh * stride_vh
-                 + offs_dv[None, :], v_new, mask=dv_ok[None, :] & w_ok)
+        k_to = k_cache + new_slot // PAGE * stride_kb + new_slot % PAGE * stride_ks \
+            + kvh * stride_kh
+        tl.store(k_to + offs_h, k1, mask=w_ok)
+        tl.store(k_to + half + offs_h, k2, mask=w_ok)
+        tl.store(v_cache + new_slot // PAGE * stride_vb + new_slot % PAGE * stride_vs
+                 + kvh * stride_vh + offs_dv, v_new, mask=dv_ok & w_ok)
+        s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1) + tl.sum(
+            q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1)
         kv_hi = ctx  # the new position comes from registers
+    else:
+        qv = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
@@ -164,11 +173,10 @@ def unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     if ROPE_APPEND:  # the softmax starts from the new key (last split), so nothing of it
         # stays live through the loop
-        m_i = _log2_logits(tl.sum(qv.to(tl.float32) * k_new.to(tl.float32), 1), scale,
-                           softcap, USE_SOFTCAP)
-        m_i = tl.where(m_ok & last, m_i, float("-inf"))
+        m_i = tl.where(m_ok & last, _log2_logits(s_new, scale, softcap, USE_SOFTCAP),
+                       float("-inf"))
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
-        acc = l_i[:, None] * v_new.to(tl.float32)
+        acc = l_i[:, None] * v_new.to(tl.float32)[None, :]
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)

@@ -451,3 +451,15 @@ def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(
     with pytest.raises(ValueError, match=r"qkv has 3 tokens, expected >= 4"):
         op(case[0][:3], *case[1:], *tail)
     assert torch.equal(case[3], before[0]) and torch.equal(case[4], before[1])
+
+
+def test_fuse_rope_decode_where_few_programs_split_the_kv_axis(monkeypatch):
+    """The fused decode only for split launches of the brackets `decode_config` marks (the
+    1b model's shapes on a 132-multiprocessor GPU); the op runs the two ops elsewhere, so
+    the CPU always takes it."""
+    cpu = torch.device("cpu")
+    assert ops.fuse_rope_decode(128, 8, 64, 2048, cpu)
+    monkeypatch.setattr(ops, "resolve_kernel", lambda kernel, device: "triton")
+    monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
+    picks = {rows: ops.fuse_rope_decode(rows, 8, 64, 702, cpu) for rows in (1, 8, 32, 64, 128)}
+    assert picks == {1: True, 8: False, 32: True, 64: False, 128: False}  # 64 x 8: no split
