@@ -1,18 +1,25 @@
 """Compile the Triton kernels for an H100/H200 (sm_90) without a GPU: Triton's front end, its
-passes and ptxas run on CPU, so a kernel that would not compile on the GPU box (a shape
-redefined in a branch, an intrinsic the installed Triton lacks) fails here first.
+passes, ptxas and cuobjdump (bundled with Triton) run on CPU, so a kernel that would not
+compile on the GPU box (a shape redefined in a branch, an intrinsic the installed Triton
+lacks) fails here first, and each variant's resources show (registers and stack bytes per
+thread: fewer programs fit an SM as they grow; a stack means spills).
 
     python scripts/triton_compile_check.py [--arch 90]
 
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
-split or not, softcap / window / sinks, programmatic dependent launch), the split merge and
-the KV writes, and prints each variant's shared memory bytes and whether its PTX waits on
-the previous grid (PDL). Triton's interpreter
-(scripts/triton_interpret_check.py) checks the numbers; this checks the build.
+split or not, softcap / window / sinks, programmatic dependent launch), the fused
+rope + decode variant at the decode configs' tiles, the split merge and the KV writes, with
+pointers and strides taken divisible by 16 as the JIT specializes them at a launch on real
+caches. The numbers are checked by tests/graphattn/backends/test_triton_interpreter.py
+(Triton's interpreter); this checks the build.
 """
 
 import argparse
 import itertools
+import os
+import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -35,11 +42,26 @@ POINTERS = {
 FLOATS = {"scale", "softcap"}
 
 
+def resources(cubin: bytes) -> str:
+    """"REG:n STACK:n" of a cubin (per thread), by Triton's bundled cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    m = re.search(r"REG:\d+ STACK:\d+", out)
+    return m.group(0) if m else "?"
+
+
 def build(fn, consts: dict, target: GPUTarget, **options) -> dict:
     sig = {name: "constexpr" if name in consts else POINTERS.get(
         name, "fp32" if name in FLOATS else "i32") for name in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
-    return {"shared": kernel.metadata.shared,
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if name not in consts and (sig[name].startswith("*") or name.startswith("stride_"))}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=target,
+                            options=options)
+    return {"shared": kernel.metadata.shared, "resources": resources(kernel.asm["cubin"]),
             "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"]}
 
 
@@ -56,12 +78,20 @@ def main() -> None:
         tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128) if uniform else dict(
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
-                      USE_WINDOW=win, USE_SINKS=sinks, WRITE_LSE=False, USE_PDL=pdl)
+                      USE_WINDOW=win, USE_SINKS=sinks, WRITE_LSE=False, USE_PDL=pdl,
+                      ROPE_APPEND=False)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
               got)
         assert got["pdl_wait"] == pdl
+    for rope, block_n, split in itertools.product((False, True), (64, 128), (False, True)):
+        consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
+                      SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
+                      WRITE_LSE=False, USE_PDL=True, ROPE_APPEND=rope)
+        print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split},
+              build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
+                    launch_pdl=True))
     for sinks, pdl in itertools.product((False, True), repeat=2):
         consts = dict(HEAD_DIM_V=64, DV_PAD=64, NUM_SPLITS=3, S_PAD=4, USE_SINKS=sinks,
                       WRITE_LSE=False, USE_PDL=pdl)

@@ -302,12 +302,14 @@ def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
     `rope_write_kv` then attention (CPU numbers only; `PagedAttentionImpl.forward_qkv`).
 
     Fused, every program rotates its queries before its loop and holds more registers
-    (sm90, head_dim 64: 92 against 64 at 64-key tiles, 112 against 96 at 128;
-    `scripts/kernel_resources.py`), so fewer programs fit an SM. Measured on the H200
-    (1b model, bench/results/config_ab_*.json and graph_replay.json): that pays where few
-    programs split the KV axis (1 row: 1.5-4 % per step less; 32 rows: 1-2 %) and costs
-    where programs are many or in the four-wave bracket (128 rows x 2048: +14 %; 8 rows x
-    2048: +3 %). Hence `TritonConfig.fuse_rope` of `decode_config`, and only where the
+    (sm90, head_dim 64, per thread: 92 against 64 unsplit at 64-key tiles, 72 against 63
+    split, 112 against 96 split at 128; `scripts/triton_compile_check.py`), so fewer
+    programs fit an SM. Measured on the H200 with
+    the 1b model: where few programs split the KV axis it pays (1 row: 39-53 µs, 32 rows:
+    58-61 µs less per step, 3-5 %; bench/results/graph_replay.json, sessions 6 and 7);
+    where programs are many or in the four-wave bracket it costs (one process,
+    bench/results/config_ab_*: 128 rows x 2048 +472 µs, +14 %; 8 rows x 2048 +37 µs, +3 %).
+    Hence `TritonConfig.fuse_rope` of `decode_config`, and only where the
     launch splits. Kernels other than Triton: True (the op runs the two ops itself).
     """
     if resolve_kernel(kernel, device) != "triton":

@@ -33,6 +33,16 @@ def main() -> None:
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
+    import triton.runtime.interpreter as interpreter
+
+    if hasattr(interpreter, "_patch_lang_tensor"):  # Triton 3.6 calls int() on 1-element
+        patch = interpreter._patch_lang_tensor      # arrays, which numpy >= 2.4 refuses
+
+        def patch_index(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patch_index
     resolve = ops.resolve_kernel
     # CPU tensors through the Triton path: the device questions answered for a CPU
     ops.resolve_kernel = lambda kernel, device: "triton" if kernel == "triton" else resolve(
