@@ -101,3 +101,50 @@ def test_builder_on_meta_device():
                                caches, meta)
         assert out.shape == (batch.num_tokens_padded, H, D)
         sc.sched.finish_step(s)
+
+
+def test_forward_qkv_fuses_rope_into_one_token_decode_batches():
+    """`PagedAttentionImpl.forward_qkv` on one-token decode rows: `rope_paged_decode` unless
+    `fuse_rope=False` (None: `fuse_rope_decode`, which the CPU always takes), the same
+    output and caches either way; mixed batches keep `rope_write_kv` then attention."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphattn.backends.rope import inv_frequencies
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    for cfg, fused in ((WorkloadConfig(prompt_len=(1, 1), max_new_tokens=(5, 9),
+                                       arrival_prob=1.0), True), (CFGS["mixed"], False)):
+        sc = Scenario(cfg, seed=3, max_model_len=64, block_size=8)
+        builder = PagedAttentionBuilder(8)
+        inv = inv_frequencies(D, 1e4, "cpu")
+        caches = tuple(allocate_kv_cache(sc.num_blocks, 8, HKV, D, torch.float32, "cpu")
+                       for _ in range(2))
+        for c in caches:
+            c.normal_()
+        for _ in range(3):
+            s, batch, common = sc.next_batch()
+            meta = builder.build(common)
+            qkv = sc.rand(batch.num_tokens_padded, (H + 2 * HKV) * D)
+            results = []
+            for fuse in (None, True, False):
+                kv = tuple(c.clone() for c in caches)
+                with Ops() as ops, no_host_sync():
+                    out = PagedAttentionImpl(H, D, HKV, fuse_rope=fuse).forward_qkv(
+                        qkv, batch.positions, inv, kv, meta)
+                assert ("graphattn::rope_paged_decode" in ops.names) == (fused and fuse
+                                                                          is not False)
+                results.append((out, kv))
+            for out, kv in results[1:]:
+                torch.testing.assert_close(out, results[0][0])
+                for a, b in zip(kv, results[0][1], strict=True):
+                    torch.testing.assert_close(a, b)
+            caches = results[0][1]
+            sc.finish(s)
