@@ -234,6 +234,10 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     t, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    if rope is not None and not (uniform_query_len == 1 and dv == d == _pow2(d) >= 16):
+        raise ValueError(f"the fused rotary decode takes one-token rows and a power-of-two "
+                         f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
+                         f"head_dim {d}, V head_dim {dv}")
     g = h // hkv
     rows = block_table.shape[0]
     if t == 0 or rows == 0:
@@ -301,16 +305,16 @@ def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
     """Whether a batch of `rows` one-token decode rows runs `rope_paged_decode` rather than
     `rope_write_kv` then attention (CPU numbers only; `PagedAttentionImpl.forward_qkv`).
 
-    Fused, every program rotates its queries before its loop and holds more registers
-    (sm90, head_dim 64, per thread: 92 against 64 unsplit at 64-key tiles, 72 against 63
-    split, 112 against 96 split at 128; `scripts/triton_compile_check.py`), so fewer
-    programs fit an SM. Measured on the H200 with
-    the 1b model: where few programs split the KV axis it pays (1 row: 39-53 µs, 32 rows:
-    58-61 µs less per step, 3-5 %; bench/results/graph_replay.json, sessions 6 and 7);
-    where programs are many or in the four-wave bracket it costs (one process,
-    bench/results/config_ab_*: 128 rows x 2048 +472 µs, +14 %; 8 rows x 2048 +37 µs, +3 %).
-    Hence `TritonConfig.fuse_rope` of `decode_config`, and only where the
-    launch splits. Kernels other than Triton: True (the op runs the two ops itself).
+    Fused, every program rotates its queries before its loop and holds more registers (sm90,
+    head_dim 64, per thread: 92 against 64 unsplit at 64-key tiles, 72 against 63 split, 112
+    against 96 split at 128; `scripts/triton_compile_check.py`), so fewer programs fit an
+    SM. Measured on the H200 with the 1b model: where few programs split the KV axis it pays
+    (1 row: 39-53 µs, 32 rows: 58-61 µs less per step, 3-5 %;
+    bench/results/graph_replay.json, sessions 6 and 7); where programs are many or in the
+    four-wave bracket it costs (one process, bench/results/config_ab_*: 128 rows x 2048 +472
+    µs, +14 %; 8 rows x 2048 +37 µs, +3 %). Hence `TritonConfig.fuse_rope` of
+    `decode_config`, and only where the launch splits. Kernels other than Triton: True (the
+    op runs the two ops itself).
     """
     if resolve_kernel(kernel, device) != "triton":
         return True

@@ -75,12 +75,11 @@ def unified_attention_kernel(
     WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
 ):
     """ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
-    equal to HEAD_DIM_V): `q` is the q-head view of
-    a fused qkv [T, (H + 2 Hkv) * D] (k and v heads follow the q heads of each token); q and
-    the new k are rotated here (NeoX halves, angle positions[t] * inv_freq), the row's last
-    split writes k and v to slot ``slot_mapping[t]`` and attends to them from registers, and
-    every split reads the cache below the new position only (so no program reads a slot
-    another writes)."""
+    equal to HEAD_DIM_V): `q` is the q-head view of a fused qkv [T, (H + 2 Hkv) * D] (k and
+    v heads follow the q heads of each token); q and the new k are rotated here (NeoX
+    halves, angle positions[t] * inv_freq), the row's last split writes k and v to slot
+    ``slot_mapping[t]`` and seeds its softmax with them from registers, and every split
+    reads the cache below the new position only (no program reads a slot another writes)."""
     if USE_PDL:  # launched early: the previous kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)

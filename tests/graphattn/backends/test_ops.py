@@ -451,6 +451,13 @@ def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(
     with pytest.raises(ValueError, match=r"qkv has 3 tokens, expected >= 4"):
         op(case[0][:3], *case[1:], *tail)
     assert torch.equal(case[3], before[0]) and torch.equal(case[4], before[1])
+    qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
+    q = qkv.view(qkv.shape[0], h + 2 * hkv, 32)[:, :h]
+    with pytest.raises(ValueError, match="fused rotary decode takes one-token rows and a "
+                                         "power-of-two head_dim >= 16 for K and V; got query "
+                                         "length 2, head_dim 32, V head_dim 32"):
+        ops._triton_attention(q, kc, vc, qsl, seq, bt, 0.2, 2, 64, 0, 0.0, None,
+                              rope=(pos, inv, slots))
 
 
 def test_fuse_rope_decode_where_few_programs_split_the_kv_axis(monkeypatch):
