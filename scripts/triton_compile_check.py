@@ -43,7 +43,8 @@ FLOATS = {"scale", "softcap"}
 
 
 def resources(cubin: bytes) -> str:
-    """"REG:n STACK:n" of a cubin (per thread), by Triton's bundled cuobjdump."""
+    """Registers and stack bytes per thread of a cubin ("REG:n STACK:n"), by Triton's
+    bundled cuobjdump."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

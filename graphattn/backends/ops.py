@@ -422,6 +422,13 @@ def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 
+def _check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless both caches are contiguous (the Triton kernels address slots by
+    one stride)."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op} with kernel 'triton' needs contiguous caches")
+
+
 @torch.library.custom_op("graphattn::write_kv", mutates_args=("k_cache", "v_cache"))
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, kernel: str) -> None:
@@ -441,8 +448,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     from graphattn.backends.triton_kernels import write_kv_kernel
 
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("write_kv with kernel 'triton' needs contiguous caches")
+    _check_contiguous_caches("write_kv", k_cache, v_cache)
     t = k.shape[0]
     if t == 0:
         return
@@ -514,8 +520,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         return qk[:, :num_heads].contiguous()
     from graphattn.backends.triton_kernels import rope_write_kv_kernel
 
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rope_write_kv with kernel 'triton' needs contiguous caches")
+    _check_contiguous_caches("rope_write_kv", k_cache, v_cache)
     q = qkv.new_empty(t, num_heads, d)
     if t == 0:
         return q
@@ -577,8 +582,7 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     max_len = _read_bounds(kv_bounds)[1]
     if (resolve_kernel(kernel, qkv.device) == "triton" and d == _pow2(d) >= 16
             and k_cache.shape[-1] == v_cache.shape[-1] == d):
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("rope_paged_decode with kernel 'triton' needs contiguous caches")
+        _check_contiguous_caches("rope_paged_decode", k_cache, v_cache)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         q = qkv.view(t, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
