@@ -10,13 +10,14 @@ Variants patch `graphattn.backends.ops` before each runner is captured (the op's
 implementation runs at capture, so one compiled forward serves them all):
 
 - ``default``: `decode_config` as shipped;
-- ``stages3`` / ``stages4``, ``waves1`` / ``waves2`` / ``waves4``: that field replaced;
+- ``stagesN``, ``wavesN``, ``bnN`` (keys per tile), ``warpsN``: that field replaced;
 - ``nosplit``: waves 0 (no split, no merge launch);
 - ``nopdl``: without programmatic dependent launch;
 - ``noattn``: the attention call replaced by an empty output, to place its in-graph cost
   (the tokens are garbage; only the time means anything);
 - ``nofuse`` / ``fuse``: `rope_write_kv` then attention / the fused ``rope_paged_decode``
-  (``PagedAttentionImpl.fuse_rope`` False / True; ``default``: as `fuse_rope_decode` picks).
+  (``PagedAttentionImpl.fuse_rope`` False / True; ``default``: as `fuse_rope_decode` picks);
+- parts joined by ``+`` combine (``fuse+waves2``).
 """
 
 from __future__ import annotations
@@ -42,28 +43,32 @@ from bench.setup import MODELS, fill_requests, make_setup
 from graphattn.backends import ops
 from graphattn.capture.runner import GraphRunner
 
-FIELDS = {"stages": "num_stages", "waves": "waves"}
+FIELDS = {"stages": "num_stages", "waves": "waves", "bn": "block_n", "warps": "num_warps"}
 
 
 @contextlib.contextmanager
 def patched(variant: str, impl) -> Iterator[None]:
+    """Apply each ``+``-joined part of `variant` (e.g. ``fuse+waves2``)."""
     orig_config, orig_attention = ops.decode_config, ops._triton_attention
-    impl.fuse_rope = {"nofuse": False, "fuse": True}.get(variant)
-    if variant in ("nofuse", "fuse", "default"):
-        pass
-    elif variant == "nopdl":
-        ops.decode_config = lambda programs, pdl=False: orig_config(programs, False)
-    elif variant == "nosplit":
-        ops.decode_config = lambda programs, pdl=False: dataclasses.replace(
-            orig_config(programs, pdl), waves=0)
-    elif variant == "noattn":
-        ops._triton_attention = lambda q, k_cache, v_cache, *a, **k: q.new_empty(
-            q.shape[0], q.shape[1], v_cache.shape[-1])
-    else:
-        field = FIELDS[variant.rstrip("0123456789")]
-        value = int(variant[len(variant.rstrip("0123456789")):])
-        ops.decode_config = lambda programs, pdl=False: dataclasses.replace(
-            orig_config(programs, pdl), **{field: value})
+    for part in variant.split("+"):
+        inner = ops.decode_config
+        if part in ("nofuse", "fuse"):
+            impl.fuse_rope = part == "fuse"
+        elif part == "default":
+            pass
+        elif part == "nopdl":
+            ops.decode_config = lambda programs, pdl=False, f=inner: f(programs, False)
+        elif part == "nosplit":
+            ops.decode_config = lambda programs, pdl=False, f=inner: dataclasses.replace(
+                f(programs, pdl), waves=0)
+        elif part == "noattn":
+            ops._triton_attention = lambda q, k_cache, v_cache, *a, **k: q.new_empty(
+                q.shape[0], q.shape[1], v_cache.shape[-1])
+        else:
+            name = part.rstrip("0123456789")
+            kw = {FIELDS[name]: int(part[len(name):])}
+            ops.decode_config = lambda programs, pdl=False, f=inner, kw=kw: dataclasses.replace(
+                f(programs, pdl), **kw)
     try:
         yield
     finally:

@@ -84,9 +84,11 @@ def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
     From scripts/tune_attention.py on an H200 (bf16, head_dim 64, GQA 4, lengths 512-2048;
     bench/results/tune_attention.json): few programs split the KV axis over two waves, a
     middling count wants longer key tiles, and past about six waves no split and 64-key tiles
-    read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048). Below two waves of programs,
-    128-key tiles split over four (tune_attention_pdl.json, 8 calls per graph: 14.1 against
-    16.7 µs at 8 rows x 8 KV heads x 2048, 23.8 against 25.1 at 32 x 4 x 2048).
+    read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048). Below 96 programs, 128-key tiles
+    split over four waves (tune_attention_pdl.json: 14.1 against 16.7 µs at 8 rows x 8 KV
+    heads x 2048). Every split bracket takes the rotary embedding in (`fuse_rope`; in one
+    process, bench/results/config_ab_*_s8.json: 1b 8 x 2048 1,274 against 1,293 µs per step,
+    tiny 32 x 512 346 against 365 with two waves, which beat four there by 9 µs).
 
     Parameters
     ----------
@@ -98,11 +100,9 @@ def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
     if programs < 32:
         return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2, pdl=pdl,
                             fuse_rope=True)
-    if programs < 2 * 128:
-        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=4, pdl=pdl)
     if programs < 6 * 132:
-        return TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2, pdl=pdl,
-                            fuse_rope=True)
+        return TritonConfig(block_n=128, num_warps=4, num_stages=2,
+                            waves=4 if programs < 96 else 2, pdl=pdl, fuse_rope=True)
     return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1, pdl=pdl)
 
 
@@ -306,15 +306,15 @@ def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
     `rope_write_kv` then attention (CPU numbers only; `PagedAttentionImpl.forward_qkv`).
 
     Fused, every program rotates its queries before its loop and holds more registers (sm90,
-    head_dim 64, per thread: 92 against 64 unsplit at 64-key tiles, 72 against 63 split, 112
-    against 96 split at 128; `scripts/triton_compile_check.py`), so fewer programs fit an
-    SM. Measured on the H200 with the 1b model: where few programs split the KV axis it pays
-    (1 row: 39-53 µs, 32 rows: 58-61 µs less per step, 3-5 %;
-    bench/results/graph_replay.json, sessions 6 and 7); where programs are many or in the
-    four-wave bracket it costs (one process, bench/results/config_ab_*: 128 rows x 2048 +472
-    µs, +14 %; 8 rows x 2048 +37 µs, +3 %). Hence `TritonConfig.fuse_rope` of
-    `decode_config`, and only where the launch splits. Kernels other than Triton: True (the
-    op runs the two ops itself).
+    head_dim 64, per thread: 82 against 64 unsplit at 64-key tiles, 118 against 96 split at
+    128; `scripts/triton_compile_check.py`), so fewer programs may fit an SM. Measured on the
+    H200: where the launch splits the KV axis it pays (1b 1 row: 39-53 µs, 32 rows: 58-61 µs
+    less per step, bench/results/graph_replay.json, sessions 6 and 7; 1b 8 rows x 2048 and
+    tiny 32 rows, one process, bench/results/config_ab_*_s8.json, 13-19 µs); with 1,024
+    unsplit programs (1b 128 rows x 2048) it cost +472 µs, +14 % (config_ab_1b_128_2048.json,
+    with libdevice's precise cos / sin). Hence `TritonConfig.fuse_rope` of `decode_config`,
+    and only where the launch splits. Kernels other than Triton: True (the op runs the two
+    ops itself).
     """
     if resolve_kernel(kernel, device) != "triton":
         return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 __all__ = ["merge_splits_kernel", "rope_write_kv_kernel", "unified_attention_kernel",
            "write_kv_kernel"]
@@ -44,6 +45,21 @@ def _log2_logits(s, scale, softcap, USE_SOFTCAP: tl.constexpr):
         x = s * (scale / softcap)
         return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
     return s * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _cos_sin(ang):
+    """cos and sin of float32 angles: reduced to [-pi, pi] by 2 pi in three parts (Cody-Waite;
+    6.25 and 17 / 512 have 5 significant bits, so k times them and the first two differences
+    are exact while k < 2**19, angles below 3e6), then the hardware approximations (abs error
+    about 1e-6 there). libdevice's precise cos/sin hold more registers and a stack (their
+    Payne-Hanek branch): sm90, the fused decode at 128-key tiles split, 96 registers against
+    112 + 32 bytes of stack (`scripts/triton_compile_check.py`)."""
+    k = tl.floor(ang * 0.15915494309189535 + 0.5)
+    x = tl.fma(k, -6.25, ang)
+    x = tl.fma(k, -0.033203125, x)
+    x = tl.fma(k, 1.781781975296326e-05, x)
+    return libdevice.fast_cosf(x), libdevice.fast_sinf(x)
 
 
 @triton.jit
@@ -127,8 +143,7 @@ def unified_attention_kernel(
         half: tl.constexpr = HEAD_DIM // 2
         offs_h = tl.arange(0, half)
         ang = tl.load(positions + q_start).to(tl.float32) * tl.load(inv_freq + offs_h)
-        c = tl.cos(ang)
-        sn = tl.sin(ang)
+        c, sn = _cos_sin(ang)
         q1, q2 = _rotate(tl.load(q_rows + offs_h[None, :], mask=m_ok[:, None], other=0.0),
                          tl.load(q_rows + half + offs_h[None, :], mask=m_ok[:, None],
                                  other=0.0), c[None, :], sn[None, :], q.dtype.element_ty)
@@ -309,8 +324,9 @@ def rope_write_kv_kernel(
     i = tl.arange(0, HALF_PAD)
     i_ok = i < half
     ang = tl.load(positions + t).to(tl.float32) * tl.load(inv_freq + i, mask=i_ok, other=0.0)
-    c = tl.cos(ang)[None, :]
-    s = tl.sin(ang)[None, :]
+    c, s = _cos_sin(ang)
+    c = c[None, :]
+    s = s[None, :]
     row = qkv + t * stride_qkv
     h = tl.arange(0, H_PAD)
     m = (h < H)[:, None] & i_ok[None, :]

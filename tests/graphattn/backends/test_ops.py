@@ -317,14 +317,16 @@ def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
         torch.testing.assert_close(b.double(), reference(a), rtol=2e-2, atol=2e-2)
 
 
-def test_decode_config_carries_pdl_and_splits_wider_below_two_waves():
+def test_decode_config_carries_pdl_and_splits_wider_below_96_programs():
     for programs in (1, 64, 255, 256, 791, 792, 4096):
         for pdl in (False, True):
             assert ops.decode_config(programs, pdl).pdl is pdl
     assert not ops.decode_config(64).pdl  # off unless the caller knows the device has it
-    # fewer programs than two waves of 128: more splits per row
-    assert ops.decode_config(255).waves > ops.decode_config(256).waves > \
-        ops.decode_config(792).waves
+    # fewer programs: more splits per row; the split brackets take the rotary embedding in
+    assert ops.decode_config(95).waves > ops.decode_config(96).waves == \
+        ops.decode_config(791).waves > ops.decode_config(792).waves
+    assert all(ops.decode_config(p).fuse_rope for p in (1, 31, 32, 95, 96, 791))
+    assert not ops.decode_config(792).fuse_rope
 
 
 @pytest.mark.cuda
@@ -462,11 +464,11 @@ def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(
 
 def test_fuse_rope_decode_where_few_programs_split_the_kv_axis(monkeypatch):
     """The fused decode only for split launches of the brackets `decode_config` marks (the
-    1b model's shapes on a 132-multiprocessor GPU); the op runs the two ops elsewhere, so
-    the CPU always takes it."""
+    1b model's shapes on a 132-multiprocessor GPU: 64 rows x 8 KV heads fill two waves
+    unsplit); the op runs the two ops elsewhere, so the CPU always takes it."""
     cpu = torch.device("cpu")
     assert ops.fuse_rope_decode(128, 8, 64, 2048, cpu)
     monkeypatch.setattr(ops, "resolve_kernel", lambda kernel, device: "triton")
     monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
     picks = {rows: ops.fuse_rope_decode(rows, 8, 64, 702, cpu) for rows in (1, 8, 32, 64, 128)}
-    assert picks == {1: True, 8: False, 32: True, 64: False, 128: False}  # 64 x 8: no split
+    assert picks == {1: True, 8: True, 32: True, 64: False, 128: False}

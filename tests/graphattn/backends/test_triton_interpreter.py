@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,6 +44,14 @@ def main() -> None:
             scope.set_attr(tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patch_index
+    import triton.language as tl
+
+    from graphattn.backends import triton_kernels
+
+    # the interpreter has no libdevice: its cos / sin stand in for the hardware approximations
+    # (the reduction to [-pi, pi] before them still runs)
+    triton_kernels.libdevice = SimpleNamespace(fast_cosf=lambda x: tl.cos(x),
+                                               fast_sinf=lambda x: tl.sin(x))
     resolve = ops.resolve_kernel
     # CPU tensors through the Triton path: the device questions answered for a CPU
     ops.resolve_kernel = lambda kernel, device: "triton" if kernel == "triton" else resolve(
@@ -73,6 +82,17 @@ def main() -> None:
             assert out[rows:].abs().sum().item() == 0
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
+    # angles far past one Cody-Waite step's exact range, against the same float32 angles
+    # through torch's precise cos / sin
+    qkv, pos, inv, caches, slots, (h, hkv, _) = t._rope_case("cpu", torch.float32)
+    pos[:3] = torch.tensor([300_000, 2 ** 20, 7])
+    got, want = ([c.clone() for c in caches] for _ in range(2))
+    q = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *got, slots, h, hkv, "triton")
+    q_ref = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *want, slots, h, hkv, "torch")
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
+    s = slots[slots >= 0]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.flatten(0, 1)[s], b.flatten(0, 1)[s], rtol=1e-5, atol=1e-5)
     print("checked")
 
 
