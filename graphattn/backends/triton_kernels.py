@@ -52,9 +52,8 @@ def _cos_sin(ang):
     """cos and sin of float32 angles: reduced to [-pi, pi] by 2 pi in three parts (Cody-Waite;
     6.25 and 17 / 512 have 5 significant bits, so k times them and the first two differences
     are exact while k < 2**19, angles below 3e6), then the hardware approximations (abs error
-    about 1e-6 there). libdevice's precise cos/sin hold more registers and a stack (their
-    Payne-Hanek branch): sm90, the fused decode at 128-key tiles split, 96 registers against
-    112 + 32 bytes of stack (`scripts/triton_compile_check.py`)."""
+    about 1e-6 there). libdevice's precise cos/sin keep a 32-byte stack per thread (their
+    Payne-Hanek branch; `scripts/triton_compile_check.py`)."""
     k = tl.floor(ang * 0.15915494309189535 + 0.5)
     x = tl.fma(k, -6.25, ang)
     x = tl.fma(k, -0.033203125, x)
