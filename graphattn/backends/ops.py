@@ -87,8 +87,9 @@ def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
     read fastest (3.9 TB/s at 128 rows x 8 KV heads x 2048). Below 96 programs, 128-key tiles
     split over four waves (tune_attention_pdl.json: 14.1 against 16.7 µs at 8 rows x 8 KV
     heads x 2048). Every split bracket takes the rotary embedding in (`fuse_rope`; in one
-    process, bench/results/config_ab_*_s8.json: 1b 8 x 2048 1,274 against 1,293 µs per step,
-    tiny 32 x 512 346 against 365 with two waves, which beat four there by 9 µs).
+    process, bench/results/config_ab_*_s8.json: 1b 8 x 2048 1,274 against 1,293 µs per step;
+    tiny 32 x 512, the graph alone, 346 against 365 over two waves, which beat four there by
+    9 µs and lost by 10 at 1b 8 x 2048: hence the cut at 96).
 
     Parameters
     ----------

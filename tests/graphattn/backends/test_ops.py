@@ -236,6 +236,26 @@ def test_rope_write_kv_matches_float64_rotation(device, kernel, dtype, tol):
                            b.view(-1, hkv, d)[:real][untouched.to(device)])
 
 
+def check_far_rotation(device: str) -> None:
+    """Triton's `rope_write_kv` (its cos / sin: a reduction to [-pi, pi], then the hardware
+    approximations) against torch's precise cos / sin on the same float32 angles, at positions
+    up to 2**21 (the test below; the interpreter test on the CPU)."""
+    qkv, pos, inv, caches, slots, (h, hkv, _) = _rope_case(device, torch.float32)
+    pos[:4] = torch.tensor([300_000, 2 ** 20, 2 ** 21 - 1, 7])
+    got, want = ([c.clone() for c in caches] for _ in range(2))
+    q = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *got, slots, h, hkv, "triton")
+    q_ref = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *want, slots, h, hkv, "torch")
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
+    s = slots[slots >= 0]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.flatten(0, 1)[s], b.flatten(0, 1)[s], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_triton_rotation_matches_torch_at_far_positions():
+    check_far_rotation("cuda")
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_rope_write_kv_agrees_with_its_fake_and_refuses_a_bad_qkv(device):
     qkv, pos, inv, (kc, vc), slots, (h, hkv, d) = _rope_case("cpu", torch.float32)

@@ -1,8 +1,9 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
-the K/V write, and the fused rope + write + decode attention. The GPU runs the same kernels
-compiled (the cuda tests of test_ops); this catches a logic error on any machine."""
+the K/V write, the fused rope + write + decode attention, and the rotation at far positions.
+The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
+error on any machine."""
 
 from __future__ import annotations
 
@@ -82,17 +83,7 @@ def main() -> None:
             assert out[rows:].abs().sum().item() == 0
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
-    # angles far past one Cody-Waite step's exact range, against the same float32 angles
-    # through torch's precise cos / sin
-    qkv, pos, inv, caches, slots, (h, hkv, _) = t._rope_case("cpu", torch.float32)
-    pos[:3] = torch.tensor([300_000, 2 ** 20, 7])
-    got, want = ([c.clone() for c in caches] for _ in range(2))
-    q = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *got, slots, h, hkv, "triton")
-    q_ref = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *want, slots, h, hkv, "torch")
-    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
-    s = slots[slots >= 0]
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a.flatten(0, 1)[s], b.flatten(0, 1)[s], rtol=1e-5, atol=1e-5)
+    t.check_far_rotation("cpu")
     print("checked")
 
 
