@@ -235,7 +235,7 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     t, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
-    if rope is not None and not (uniform_query_len == 1 and dv == d == _pow2(d) >= 16):
+    if rope is not None and not (uniform_query_len == 1 and _rope_fusable(d, k_cache, v_cache)):
         raise ValueError(f"the fused rotary decode takes one-token rows and a power-of-two "
                          f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
                          f"head_dim {d}, V head_dim {dv}")
@@ -289,6 +289,12 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             S_PAD=max(2, _pow2(num_splits)), USE_SINKS=sinks is not None, WRITE_LSE=False,
             USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+def _rope_fusable(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The fused rotary decode's shapes: K and V head_dim both `head_dim`, a power of two
+    >= 16 (`rope_paged_decode` falls back to two ops otherwise; `_triton_attention` refuses)."""
+    return k_cache.shape[-1] == v_cache.shape[-1] == head_dim == _pow2(head_dim) >= 16
 
 
 def _tiles(cfg: TritonConfig, rows: int, num_kv_heads: int, head_dim: int, max_len: int,
@@ -581,8 +587,7 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     if t < rows:
         raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
     max_len = _read_bounds(kv_bounds)[1]
-    if (resolve_kernel(kernel, qkv.device) == "triton" and d == _pow2(d) >= 16
-            and k_cache.shape[-1] == v_cache.shape[-1] == d):
+    if resolve_kernel(kernel, qkv.device) == "triton" and _rope_fusable(d, k_cache, v_cache):
         _check_contiguous_caches("rope_paged_decode", k_cache, v_cache)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()

@@ -330,21 +330,22 @@ def rope_write_kv_kernel(
     h = tl.arange(0, H_PAD)
     m = (h < H)[:, None] & i_ok[None, :]
     q_src = row + h[:, None] * D + i[None, :]
-    x1 = tl.load(q_src, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(q_src + half, mask=m, other=0.0).to(tl.float32)
+    q1, q2 = _rotate(tl.load(q_src, mask=m, other=0.0), tl.load(q_src + half, mask=m, other=0.0),
+                     c, s, q_out.dtype.element_ty)
     q_dst = q_out + t * stride_qo + h[:, None] * D + i[None, :]
-    tl.store(q_dst, (x1 * c - x2 * s).to(q_out.dtype.element_ty), mask=m)
-    tl.store(q_dst + half, (x2 * c + x1 * s).to(q_out.dtype.element_ty), mask=m)
+    tl.store(q_dst, q1, mask=m)
+    tl.store(q_dst + half, q2, mask=m)
     slot = tl.load(slot_mapping + t)
     if slot >= 0:
         kh = tl.arange(0, HKV_PAD)
         km = (kh < HKV)[:, None] & i_ok[None, :]
         k_src = row + H * D + kh[:, None] * D + i[None, :]
-        k1 = tl.load(k_src, mask=km, other=0.0).to(tl.float32)
-        k2 = tl.load(k_src + half, mask=km, other=0.0).to(tl.float32)
+        k1, k2 = _rotate(tl.load(k_src, mask=km, other=0.0),
+                         tl.load(k_src + half, mask=km, other=0.0), c, s,
+                         k_cache.dtype.element_ty)
         k_dst = k_cache + slot * stride_kcs + kh[:, None] * D + i[None, :]
-        tl.store(k_dst, (k1 * c - k2 * s).to(k_cache.dtype.element_ty), mask=km)
-        tl.store(k_dst + half, (k2 * c + k1 * s).to(k_cache.dtype.element_ty), mask=km)
+        tl.store(k_dst, k1, mask=km)
+        tl.store(k_dst + half, k2, mask=km)
         dd = tl.arange(0, D_PAD)
         vm = (kh < HKV)[:, None] & (dd < D)[None, :]
         x = tl.load(row + (H + HKV) * D + kh[:, None] * D + dd[None, :], mask=vm)
