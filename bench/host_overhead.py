@@ -29,7 +29,7 @@ class _Done:
     def query(self) -> bool:
         return True
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         pass
 
 

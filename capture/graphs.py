@@ -322,11 +322,13 @@ class CUDAGraphManager:
             cap.sliced = (out_rows, slice_outputs(cap.outputs, out_rows))
         return cap.sliced[1]
 
-    def replay_packed(self, key: GraphKey, name: str, src: torch.Tensor,
-                      out_rows: int, uploader: Uploader | None = None) -> Outputs:
+    def replay_packed(self, key: GraphKey, name: str, src: torch.Tensor, out_rows: int,
+                      uploader: Uploader | None = None,
+                      current: torch.cuda.Stream | None = None) -> Outputs:
         """`replay` of a key with one input that `src` fills whole (the runner's packed
         buffer: same dtype and shape as the static one, pinned host memory on CUDA), copied
-        in by `uploader` when given (the host read off the replay's stream)."""
+        in by `uploader` when given (the host read off the replay's stream; `current`: the
+        current stream, when the caller has it)."""
         cap = self._captured.get(key)
         if cap is None:
             return self.replay(key, {name: src}, out_rows)
@@ -337,7 +339,7 @@ class CUDAGraphManager:
         if uploader is None:
             dst.copy_(src, non_blocking=True)
         else:
-            uploader.copy_(dst, src)
+            uploader.copy_(dst, src, current)
         return self._run(key, cap, out_rows)
 
     def replay_only(self, key: GraphKey) -> None:

@@ -38,7 +38,7 @@ from graphattn.proposer import DraftProposer
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.transfer import StagingRing, Uploader, side_copy, to_device
+from graphattn.transfer import CurrentStream, StagingRing, Uploader, side_copy, to_device
 
 __all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "SamplingParams", "StepOutput",
            "TokenFuture"]
@@ -133,8 +133,7 @@ class TokenFuture:
             raise RuntimeError(f"this step's tokens were overwritten: read a TokenFuture within "
                                f"{_OutputRing.DEPTH} steps")
         self._ring.events[self._slot].synchronize()
-        n = self._src.shape[0]
-        return self._ring.host[self._slot][:n].numpy().astype(np.int64, copy=True)
+        return self._ring.host_np[self._slot][: self._src.shape[0]].copy()
 
 
 class _OutputRing:
@@ -155,6 +154,7 @@ class _OutputRing:
         n = self.DEPTH if self.cuda else 0
         shape = (max_num_reqs,) if width is None else (max_num_reqs, width)
         self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(n)]
+        self.host_np = [h.numpy() for h in self.host]
         self.device = [torch.zeros(shape, dtype=torch.int64, device=device)
                        for _ in range(n if stream is not None else 0)]
         self.events = [torch.cuda.Event() for _ in range(n)]
@@ -164,7 +164,10 @@ class _OutputRing:
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.i = 0
 
-    def push(self, values: torch.Tensor) -> TokenFuture:
+    def push(self, values: torch.Tensor, current: torch.cuda.Stream | None = None
+             ) -> TokenFuture:
+        """Send `values` (a device tensor of at most max_num_reqs rows) to the host;
+        `current`: the current stream of its device, when the caller has it."""
         if not self.cuda:
             return TokenFuture(values)
         i, self.i = self.i, (self.i + 1) % self.DEPTH
@@ -173,7 +176,8 @@ class _OutputRing:
         self.events[i].synchronize()
         self.versions[i] += 1
         n = values.shape[0]
-        current = torch.cuda.current_stream(values.device)
+        if current is None:
+            current = torch.cuda.current_stream(values.device)
         if self.stream is None:
             self.host[i][:n].copy_(values.long(), non_blocking=True)
             self.events[i].record(current)
@@ -309,9 +313,11 @@ class GraphRunner:
         self.vocab_size = vocab_size if vocab_size is not None else _vocab_size_of(forward)
         self._plans: dict[GraphKey, BatchPlan] = {}
         self._step_lock = threading.Lock()
+        self._inference = torch.inference_mode()  # entered by step() alone (under the lock)
         self._device_advanced = False
         self.sampler = SamplingTable(state.max_num_reqs, state.device) if sampling else None
         self._staging = StagingRing(state.device)
+        self._current = CurrentStream(state.device) if state.device.type == "cuda" else None
         overlap = overlap_copies and state.device.type == "cuda"
         self._uploader = Uploader(state.device) if overlap else None
         # tokens, rejections and emitted counts go to the host on one side stream
@@ -601,7 +607,6 @@ class GraphRunner:
         self.graphs.replay(key, {"packed": self._dummy_plan(key).packed}, 0)
 
     # -- steps ------------------------------------------------------------
-    @torch.inference_mode()
     def step(self, sched: SchedulerOutput, force_eager: bool = False,
              key: GraphKey | None = None, group: Any = None,
              draft_token_ids: np.ndarray | Sequence[int] | None = None) -> StepOutput:
@@ -638,7 +643,8 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.step() is already running in another thread; a "
                                "runner and its state are driven by one thread")
         try:
-            return self._step(sched, force_eager, key, group, draft_token_ids)
+            with self._inference:
+                return self._step(sched, force_eager, key, group, draft_token_ids)
         finally:
             self._step_lock.release()
 
@@ -675,6 +681,7 @@ class GraphRunner:
         # the mirror advances with the device work: rolled back below if that work never ran
         st.advance_mirror(sched, shape.seq_lens_upper_bound)
         self._device_advanced = False
+        current = None if self._current is None else self._current()
         try:
             with prof.range("replay" if replayed else "eager", key):
                 if key is None or piecewise:
@@ -687,20 +694,20 @@ class GraphRunner:
                     outs = slice_outputs(outs, sched.num_reqs)
                 else:
                     outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs,
-                                                     self._uploader)
+                                                     self._uploader, current)
                     self._device_advanced = True
             # its copy to the device is enqueued
-            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan)
+            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan, current)
         except BaseException:
             if not self._device_advanced:
                 st.rewind_mirror(sched)
             raise
         with prof.range("postprocess"):
-            host = self._outputs.push(outs[1])
+            host = self._outputs.push(outs[1], current)
             feedback = rejected = emitted = None
             if sched.num_draft_tokens is not None:
-                rejected = self._rejections.push(outs[3])
-                emitted = self._emitted.push(outs[4])
+                rejected = self._rejections.push(outs[3], current)
+                emitted = self._emitted.push(outs[4], current)
                 # rejected counts are filled in by apply_feedback once they reach the host
                 feedback = RejectionFeedback.of_step(st, sched, np.zeros(sched.num_reqs, np.int32))
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,

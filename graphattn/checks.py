@@ -37,12 +37,12 @@ def as_int32_array(name: str, value: np.ndarray | Sequence[int], lo: int = -INT3
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and (arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer)):
+    if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.size:
-        bad = (arr < lo) | (arr > hi)
-        if bad.any():
-            i = int(np.argmax(bad))
+        info = np.iinfo(arr.dtype)  # a bound the dtype cannot pass costs no reduction
+        if (lo > info.min and arr.min() < lo) or (hi < info.max and arr.max() > hi):
+            i = int(np.argmax((arr < lo) | (arr > hi)))
             rng = f">= {lo}" if hi == INT32_MAX else f"in [{lo}, {hi}]"
             raise ValueError(f"{name}[{i}] = {arr[i]}, expected {rng}")
     return np.array(arr, dtype=np.int32, copy=True)

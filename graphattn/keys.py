@@ -145,7 +145,8 @@ class BatchShape:
         decode_query_len : int
             Tokens per row of a uniform decode (1 + speculative tokens).
         """
-        bound = np.add(num_computed_tokens_cpu[req_slots], num_scheduled_tokens, dtype=np.int64)
+        bound = np.add(num_computed_tokens_cpu.take(req_slots), num_scheduled_tokens,
+                       dtype=np.int64)
         n = int(req_slots.shape[0])
         if not n:
             return cls(0, 0, 0, False, bound)

@@ -53,11 +53,6 @@ class SchedulerOutput:
                 f"num_scheduled_tokens has {self.num_scheduled_tokens.shape[0]} entries, "
                 f"expected {n} (one per req_slots entry)"
             )
-        if n and self.num_scheduled_tokens.min() < 1:
-            i = int(np.argmin(self.num_scheduled_tokens))
-            raise ValueError(
-                f"num_scheduled_tokens[{i}] = {self.num_scheduled_tokens[i]}, expected >= 1"
-            )
         if n and np.unique(self.req_slots).size != n:
             raise ValueError(f"req_slots must be unique, got {self.req_slots.tolist()}")
         if self.num_draft_tokens is not None:
@@ -319,18 +314,18 @@ class RequestState:
             A slot out of range or free, or a row that would pass max_model_len.
         """
         slots = sched.req_slots
-        # one reduction: a negative int32 slot is >= 2**31 as uint32
-        top = slots.astype(np.int32, copy=False).view(np.uint32).max(initial=0)
-        if int(top) >= self.max_num_reqs:
+        try:  # the range check is the gather's: a negative int32 slot is >= 2**31 as uint32
+            capacity = self.capacity_np.take(slots.astype(np.int32, copy=False).view(np.uint32))
+        except IndexError:
             raise ValueError(
                 f"req_slots must be in [0, {self.max_num_reqs}), got min {slots.min()} "
                 f"max {slots.max()}"
-            )
+            ) from None
         shape = BatchShape.of(self.num_computed_tokens_np, slots, sched.num_scheduled_tokens,
                               decode_query_len)
         ends = shape.seq_lens_upper_bound
         # one check for free slots, blocks and max_model_len (capacity: -1 when free)
-        if not (ends > self.capacity_np[slots]).any():
+        if not (ends > capacity).any():
             return shape
         inactive = ~self.active_np[slots]
         if inactive.any():

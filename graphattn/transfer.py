@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["StagingRing", "Uploader", "side_copy", "staging_buffer", "to_device"]
+__all__ = ["CurrentStream", "StagingRing", "Uploader", "side_copy", "staging_buffer",
+           "to_device"]
 
 T = TypeVar("T")
 
@@ -58,6 +59,46 @@ def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> t
             src = staging.copy_(src)
         return src.to(device, non_blocking=True)
     return src.to(device, copy=True)
+
+
+class CurrentStream:
+    """The current CUDA stream of one device, looked up per call at a fraction of
+    ``torch.cuda.current_stream``'s cost (7.7 µs on the H200 box's host,
+    bench/results/host_api_probe_s9.json: most of it builds a new Stream object; this keeps
+    one per stream id).
+
+    Parameters
+    ----------
+    device : torch.device or str
+        A CUDA device; without an index, the device current when this is built.
+    """
+
+    __slots__ = ("index", "_cache", "_get")
+
+    def __init__(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self._cache: dict[int, torch.cuda.Stream] = {}
+        self._get = getattr(torch._C, "_cuda_getCurrentStream", None)
+
+    def __call__(self) -> torch.cuda.Stream:
+        """The stream that work on this device is enqueued on now."""
+        if self._get is None:
+            return torch.cuda.current_stream(self.index)
+        stream_id = self._get(self.index)[0]
+        stream = self._cache.get(stream_id)
+        if stream is None:
+            if len(self._cache) >= 64:
+                self._cache.clear()
+            stream = self._cache[stream_id] = torch.cuda.current_stream(self.index)
+        return stream
+
+
+def _set_stream(stream: torch.cuda.Stream) -> None:
+    """``torch.cuda.set_stream`` without its wrappers (it also makes the stream's device
+    current)."""
+    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type)
 
 
 class StagingRing:
@@ -110,12 +151,13 @@ class StagingRing:
     def _event(self) -> Any:
         return torch.cuda.Event()
 
-    def release(self, key: Hashable, obj: Any) -> None:
-        """Give `obj` back once the copies reading it are enqueued on the current stream."""
+    def release(self, key: Hashable, obj: Any, stream: Any = None) -> None:
+        """Give `obj` back once the copies reading it are enqueued on `stream` (default: the
+        current stream)."""
         if not self.cuda:
             return
         event = self._events[id(obj)]
-        event.record()
+        event.record(stream)
         self._free[key].append((obj, event))
 
 
@@ -144,7 +186,8 @@ class Uploader:
         self._rings: dict[tuple, list[tuple[torch.Tensor, Any, Any]]] = {}
         self._next: dict[tuple, int] = {}
 
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor,
+              current: torch.cuda.Stream | None = None) -> None:
         """``dst.copy_(src)`` without blocking the host, the host read on the side stream.
 
         Parameters
@@ -153,6 +196,8 @@ class Uploader:
             Device tensor, contiguous.
         src : torch.Tensor
             Same shape and dtype: pinned host memory (else copied directly).
+        current : torch.cuda.Stream, optional
+            The current stream of `dst`'s device, when the caller has it.
         """
         if self.stream is None or dst.device.type != "cuda" or not src.is_pinned():
             dst.copy_(src, non_blocking=True)
@@ -165,7 +210,8 @@ class Uploader:
         i = self._next.get(key, 0)
         self._next[key] = (i + 1) % self.depth
         buf, copied_out, landed = ring[i]
-        current = torch.cuda.current_stream(dst.device)
+        if current is None:
+            current = torch.cuda.current_stream(dst.device)
         side_copy(self.stream, current, copied_out, buf, src, landed)
         current.wait_event(landed)
         dst.copy_(buf)
@@ -175,17 +221,16 @@ class Uploader:
 def side_copy(stream: torch.cuda.Stream, current: torch.cuda.Stream, after: Any,
               dst: torch.Tensor, src: torch.Tensor, done: Any) -> None:
     """``dst.copy_(src)`` (non-blocking) on `stream` once event `after` has run, then `done`
-    recorded there; `current` is the stream to return to. The stream is switched by
-    ``torch.cuda.set_stream``, not the ``torch.cuda.stream`` context manager, which queries
-    the current stream twice more (about 6 µs each on the H200 box's host,
-    bench/results/host_api_probe.json)."""
-    device = torch.cuda.current_device()
+    recorded there; `current` is the stream to return to. The stream is switched directly,
+    not by the ``torch.cuda.stream`` context manager, which queries the current stream twice
+    more (about 6-8 µs each on the H200 box's host, bench/results/host_api_probe_s9.json)."""
+    device = torch._C._cuda_getDevice()
     stream.wait_event(after)
-    torch.cuda.set_stream(stream)  # also makes the stream's device current
+    _set_stream(stream)  # also makes the stream's device current
     try:
         dst.copy_(src, non_blocking=True)
         done.record(stream)
     finally:
-        torch.cuda.set_stream(current)
-        if device != stream.device_index:
+        _set_stream(current)
+        if device != current.device_index:
             torch.cuda.set_device(device)

@@ -224,3 +224,24 @@ def test_ngram_proposer_inside_the_step_matches_plain_decoding(compile, device):
         runner.apply_feedback(out)
     assert got[:n] == want[:n]
     assert accepted > 0
+
+
+@pytest.mark.cuda
+def test_steps_on_a_user_stream_replay_there_and_leave_it_current():
+    """The runner looks the current stream up once per step (graphattn.transfer.CurrentStream):
+    a step under ``torch.cuda.stream(s)`` replays on s, returns with s current and sends
+    the same tokens as steps on the default stream."""
+    params = [SamplingParams(), SamplingParams(temperature=1.2, top_k=10, seed=3)]
+    st, runner = make(device="cuda")
+    runner.capture(progress=False)
+    expected, _ = generate(runner, st, params, 6)
+    st2, other = make(device="cuda")
+    other.capture(progress=False)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(500_000)  # the user's stream is busy: its work orders the step's
+        got, _ = generate(other, st2, params, 6)
+        assert torch.cuda.current_stream() == s
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    np.testing.assert_array_equal(got, expected)

@@ -110,7 +110,7 @@ def test_plan_is_cpu_only_and_validated():
 
 
 class _DoneEvent:
-    def record(self):
+    def record(self, stream=None):
         pass
 
     def query(self):

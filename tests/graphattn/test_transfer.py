@@ -9,7 +9,7 @@ class FakeEvent:
     done = False
     waited = 0
 
-    def record(self):
+    def record(self, stream=None):
         pass
 
     def query(self):
@@ -71,3 +71,16 @@ def test_uploader_keeps_every_upload_in_order_behind_a_busy_stream():
             got.append(dst * 1)
     torch.cuda.synchronize()
     assert all(torch.equal(g.cpu(), s) for g, s in zip(got, srcs, strict=True))
+
+
+@pytest.mark.cuda
+def test_current_stream_follows_the_user_stream_and_reuses_its_objects():
+    from graphattn.transfer import CurrentStream
+
+    current = CurrentStream("cuda")
+    default = current()
+    assert default == torch.cuda.current_stream() and current() is default
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert current() == s and current() is current()
+    assert current() is default
