@@ -180,7 +180,13 @@ def handwritten_rows(model, cfg, sizes, lengths, steps, bw, wbytes, rng,
                 lens = torch.from_numpy(rng.integers(length - 16, length + 16, n)).to("cuda")
                 t0 = time.perf_counter()
                 hw = HandwrittenDecode(model, n, max_len, compile_mode)
-                hw.capture(lens)
+                try:
+                    hw.capture(lens)
+                except Exception as e:  # noqa: BLE001 - one shape's failure, in the table
+                    rows.append({**_error(mode, e), "batch": n, "length": length})
+                    del hw
+                    torch.cuda.empty_cache()
+                    continue
                 capture_s = time.perf_counter() - t0
                 times = event_times(hw.replay, steps)
                 live = float(lens.sum().item() + n * (WARMUP + steps / 2))
@@ -309,7 +315,7 @@ def compile_rows(name: str, sizes, lengths, steps) -> list[dict]:
     """torch.compile reduce-overhead, in its own process (see bench.compile_baseline)."""
     cmd = [sys.executable, "-m", "bench.compile_baseline", "--model", name, "--sizes",
            ",".join(map(str, sizes)), "--lengths", ",".join(map(str, lengths)),
-           "--steps", str(steps)]
+           "--steps", str(steps), "--no-reset", "--static-caches"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:

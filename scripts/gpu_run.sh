@@ -39,7 +39,8 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0])) ;;
     compile-*)
       m=${part#compile-}
-      python3 -m bench.compile_baseline --model "$m" --steps "${STEPS:-100}" 2>&1 \
+      python3 -m bench.compile_baseline --model "$m" --steps "${STEPS:-100}" --no-reset \
+        --static-caches 2>&1 \
         | tee "$OUT/compile_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     tune)

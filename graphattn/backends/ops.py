@@ -217,8 +217,28 @@ def gather_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def kv_bounds(num_kv_blocks: int, max_len: int) -> torch.Tensor:
-    """The `kv_bounds` argument of ``torch.ops.graphattn.paged_attention``: int64 CPU [2]."""
-    return torch.tensor([num_kv_blocks, max_len], dtype=torch.int64)
+    """The `kv_bounds` argument of ``torch.ops.graphattn.paged_attention``: int64 CPU [2].
+
+    Outside a traced function: one tensor per value, never to be written, marked as an
+    unguarded static address (``torch._dynamo.mark_static_address(guard=False)``): dynamo
+    does not recompile when the bucket changes, and inductor's CUDA-graph trees
+    (``mode="reduce-overhead"``) take it as a static input, so they neither stage it into
+    their device pool nor replay one bucket's launch for another: a new address (another
+    bucket) records its own graph. Built inside a traced forward: a graph constant.
+    """
+    if torch.compiler.is_compiling():
+        return torch.tensor([num_kv_blocks, max_len], dtype=torch.int64)
+    return _static_kv_bounds(num_kv_blocks, max_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _static_kv_bounds(num_kv_blocks: int, max_len: int) -> torch.Tensor:
+    import torch._dynamo
+
+    with torch.inference_mode(False):
+        t = torch.tensor([num_kv_blocks, max_len], dtype=torch.int64)
+    torch._dynamo.mark_static_address(t, guard=False)
+    return t
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

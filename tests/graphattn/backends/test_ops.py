@@ -185,6 +185,49 @@ def test_kv_bounds_must_live_on_the_host():
     assert out.shape == (1, 2, 8)
 
 
+def test_kv_bounds_is_one_static_host_tensor_per_value():
+    """One tensor per bucket, marked as an unguarded static address (inductor's CUDA-graph
+    trees take it as a static input); inside a traced function, a graph constant."""
+    a = kv_bounds(3, 48)
+    assert a is kv_bounds(3, 48) and a is not kv_bounds(3, 64)
+    assert a.tolist() == [3, 48] and a.dtype == torch.int64 and a.device.type == "cpu"
+    assert getattr(a, "_dynamo_static_input_type", None) == "unguarded"
+    torch._dynamo.reset()
+    traced = torch.compile(lambda x: x * kv_bounds(2, 8)[1], fullgraph=True, backend="eager")
+    assert traced(torch.ones(2)).tolist() == [8.0, 8.0]
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_around_the_ops_records_a_graph_per_length_bucket():
+    """torch.compile(mode="reduce-overhead", fullgraph=True) around the KV write and the
+    attention: steps of two length buckets with the same shapes, alternating, each matching
+    eager (kv_bounds a static input: no staging into the graph pool, no replay of one
+    bucket's launch for another)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    h, hkv, d, bs, rows, nblk = 8, 2, 64, 16, 4, 64
+    kc, vc, bt, qsl, seq, q = decode_rows([5] * rows, nblk, h, hkv, d, bs)
+    for c in (kc, vc):
+        torch._dynamo.mark_static_address(c)
+    k, v = (torch.randn(rows, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def step(q, k, v, seq, slots, bounds):
+        torch.ops.graphattn.write_kv(k, v, kc, vc, slots, "triton")
+        return torch.ops.graphattn.paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5,
+                                                   rows, 1, bounds, 0, 0.0, None, "triton")
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    cases = [([5, 17, 30, 2], 2), ([700, 1000, 64, 1024], 64)]
+    for lens, nb in cases * 2:
+        seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        slots = (bt[torch.arange(rows), (seq - 1) // bs] * bs + (seq - 1) % bs).long()
+        bounds = kv_bounds(nb, nb * bs)
+        for _ in range(3):  # warm-up, record, replay
+            out = compiled(q, k, v, seq, slots, bounds).clone()
+        ref = step(q, k, v, seq, slots, bounds)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
 def _rope_reference(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """float64 rotation of NeoX halves as complex numbers: (x1 + i x2) * e^(i pos f)."""
     d = x.shape[-1]
