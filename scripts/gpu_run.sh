@@ -4,6 +4,7 @@
 #   tests          pytest -m cuda (cuda_tests.txt)
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
+#   flex-MODEL     python -m bench.flex_layouts: flex's per-row and packed layouts vs paged
 #   tune           scripts/tune_attention.py (launch configs of the Triton kernel; TUNE_ARGS)
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
@@ -42,6 +43,11 @@ for part in "$@"; do
       python3 -m bench.compile_baseline --model "$m" --steps "${STEPS:-100}" --no-reset \
         --static-caches 2>&1 \
         | tee "$OUT/compile_$m.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    flex-*)
+      m=${part#flex-}
+      timeout "${FLEX_TIMEOUT:-400}" python3 -m bench.flex_layouts --model "$m" --out "$OUT" \
+        --sizes "${SIZES:-1,8,32,128}" 2>&1 | tee "$OUT/flex_layouts_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     tune)
       python3 scripts/tune_attention.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune_attention.txt"
