@@ -18,12 +18,11 @@ import torch
 from graphattn.backends.kernels import (
     block_count,
     gather_paged,
-    gather_positions,
-    grouped_attention,
     token_positions,
     token_request_index,
     write_to_cache,
 )
+from graphattn.backends.ops import KERNELS, kv_bounds
 from graphattn.backends.paged import (
     PagedAttentionBuilder,
     PagedAttentionMetadata,
@@ -124,21 +123,32 @@ class SparseIndexerBuilder(PagedAttentionBuilder):
 class SparseIndexerImpl:
     """Indexer top-k selection, then attention over the selected positions.
 
+    The attention over the selection is ``torch.ops.graphattn.paged_attention`` with each
+    token as a one-query row whose "pages" are its selected cache slots (a page of one
+    position: the cache viewed as [slots, 1, Hkv, D]), so the Triton kernel reads the
+    selected K/V straight from the cache on CUDA and the plain-torch kernel is the
+    reference elsewhere.
+
     Parameters
     ----------
     num_heads, head_dim, num_kv_heads : int
     topk : int
         Positions kept per query token.
+    kernel : str
+        Attention kernel over the selection (`graphattn.backends.ops.KERNELS`).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, topk: int,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, kernel: str = "auto") -> None:
         if topk < 1:
             raise ValueError(f"topk = {topk}, expected >= 1")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel = {kernel!r}, expected one of {KERNELS}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.topk = topk
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.kernel = kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor,
                 k_idx: torch.Tensor, weights: torch.Tensor,
@@ -197,11 +207,14 @@ class SparseIndexerImpl:
         top = score.topk(kk, dim=-1)
         count = torch.where(valid, torch.clamp(pos + 1, max=kk), 0)
         chosen = torch.where(torch.arange(kk, device=q.device) < count[:, None], top.indices, -1)
-        rows = bt[req]
-        kc = gather_positions(k_cache, rows, chosen.clamp(min=0))
-        vc = gather_positions(v_cache, rows, chosen.clamp(min=0))
-        o, _ = grouped_attention(q[t0:t1].unsqueeze(1), kc, vc, count.unsqueeze(1),
-                                 scale=self.scale)
-        sel = torch.full((t1 - t0, self.topk), -1, dtype=torch.long, device=q.device)
+        tc, bs = t1 - t0, k_cache.shape[1]
+        at = chosen.clamp(min=0)
+        slots = (bt[req].gather(1, at // bs).long() * bs + at % bs).to(torch.int32)
+        o = torch.ops.graphattn.paged_attention(
+            q[t0:t1], k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1),
+            torch.arange(tc + 1, dtype=torch.int32, device=q.device), count.to(torch.int32),
+            slots, meta.slot_mapping[t0:t1], self.scale, tc, 1, kv_bounds(kk, kk), 0, 0.0, None,
+            self.kernel)
+        sel = torch.full((tc, self.topk), -1, dtype=torch.long, device=q.device)
         sel[:, :kk] = chosen
-        return o.squeeze(1), sel
+        return o, sel

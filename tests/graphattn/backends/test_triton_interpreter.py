@@ -1,7 +1,8 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
-the K/V write, the fused rope + write + decode attention, and the rotation at far positions.
+the K/V write, the fused rope + write + decode attention, the rotation at far positions, and
+the sparse indexer's attention over its selection (one-slot pages).
 The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
 error on any machine."""
 
@@ -32,6 +33,7 @@ def main() -> None:
 
     from graphattn.backends import ops
     from tests.graphattn.backends import test_ops as t
+    from tests.graphattn.backends import test_sparse_indexer as ts
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
@@ -84,6 +86,8 @@ def main() -> None:
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
     t.check_far_rotation("cpu")
+    for spec, budget, pad in ((0, 400, (0, 0)), (2, 150, (2, 3))):  # one-slot pages
+        ts.run_sparse(spec, budget, pad, "cpu", "triton", torch.float32, tol=1e-4)
     print("checked")
 
 
