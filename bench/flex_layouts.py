@@ -28,7 +28,6 @@ from graphattn.buckets import LengthBuckets
 from graphattn.metadata import CommonAttentionMetadata
 
 BLOCK = 16
-VARIANTS = ("flex_per_row", "flex_packed", "paged_triton")
 
 
 def decode_batch(batch: int, length: int, hkv: int, d: int, rng: np.random.Generator

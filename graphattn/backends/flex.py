@@ -224,9 +224,10 @@ class FlexAttentionBuilder:
         BLOCK_SIZE of the block mask (a multiple of 128 when compiled on CUDA);
         the KV axis (and the packed layout's query axis) is padded to multiples of it.
     layout : str
-        "auto": per-row for uniform batches (a uniform key's, or in eager mode every row
-        with the same query count and no padded token), packed otherwise; "packed":
-        always packed (the reference the per-row layout is benchmarked against).
+        "auto": per-row for a uniform key's batches and, in eager mode, for batches whose
+        rows x max query length is at most twice their tokens (`row_query_len`), packed
+        otherwise; "packed": always packed (the reference the per-row layout is
+        benchmarked against).
     """
 
     LAYOUTS: ClassVar[tuple[str, ...]] = ("auto", "packed")

@@ -12,6 +12,7 @@ from einops import rearrange
 
 __all__ = [
     "allocate_kv_cache",
+    "cache_slots",
     "gather_paged",
     "gather_positions",
     "grouped_attention",
@@ -95,11 +96,15 @@ def gather_positions(cache: torch.Tensor, block_table: torch.Tensor,
     torch.Tensor
         [rows, W, heads, dim].
     """
-    bs = cache.shape[1]
-    pos = positions.long().clamp(0, block_table.shape[1] * bs - 1)
-    blocks = torch.gather(block_table.long(), 1, pos // bs)
-    flat = cache.view(-1, *cache.shape[2:])
-    return flat[blocks * bs + pos % bs]
+    return cache.view(-1, *cache.shape[2:])[cache_slots(block_table, positions, cache.shape[1])]
+
+
+def cache_slots(block_table: torch.Tensor, positions: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+    """int64 [rows, W]: the cache slot (block * block_size + offset) of each row's positions
+    (int [rows, W], clamped into the row's table) through block_table (int [rows, blocks])."""
+    pos = positions.long().clamp(0, block_table.shape[1] * block_size - 1)
+    return torch.gather(block_table.long(), 1, pos // block_size) * block_size + pos % block_size
 
 
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -17,6 +17,7 @@ import torch
 
 from graphattn.backends.kernels import (
     block_count,
+    cache_slots,
     gather_paged,
     token_positions,
     token_request_index,
@@ -207,9 +208,8 @@ class SparseIndexerImpl:
         top = score.topk(kk, dim=-1)
         count = torch.where(valid, torch.clamp(pos + 1, max=kk), 0)
         chosen = torch.where(torch.arange(kk, device=q.device) < count[:, None], top.indices, -1)
-        tc, bs = t1 - t0, k_cache.shape[1]
-        at = chosen.clamp(min=0)
-        slots = (bt[req].gather(1, at // bs).long() * bs + at % bs).to(torch.int32)
+        tc = t1 - t0
+        slots = cache_slots(bt[req], chosen, k_cache.shape[1]).to(torch.int32)
         o = torch.ops.graphattn.paged_attention(
             q[t0:t1], k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1),
             torch.arange(tc + 1, dtype=torch.int32, device=q.device), count.to(torch.int32),
