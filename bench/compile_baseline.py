@@ -42,8 +42,8 @@ from bench.graph_replay import (
     weight_bytes,
 )
 from bench.setup import MODELS, fill_requests, make_setup, set_lengths
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.state import SchedulerOutput
 
 
@@ -110,7 +110,7 @@ def main() -> None:
         if not args.no_reset or length == lengths[0]:
             torch._dynamo.reset()
             compiled = _Checked(setup.model)
-            runner = GraphRunner(compiled, setup.state, policy=policy)
+            runner = GraphRunner(compiled, setup.state, RunnerConfig(policy=policy))
         for n in sizes:
             lens = rng.integers(length - 16, length + 16, max(sizes)).astype(np.int32)
             sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))

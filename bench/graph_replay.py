@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from bench.setup import MODELS, fill_requests, make_setup, set_lengths
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.profiling import StageProfiler
-from graphattn.capture.runner import GraphRunner
 from graphattn.state import SchedulerOutput
 
 WARMUP = 5
@@ -201,7 +201,8 @@ def handwritten_rows(model, cfg, sizes, lengths, steps, bw, wbytes, rng,
 
 def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     """The attention op alone on one layer's shape, replayed in a CUDA graph."""
-    from graphattn.backends.ops import has_varlen_paged, kv_bounds
+    from graphattn.backends.launch_config import has_varlen_paged
+    from graphattn.backends.ops import kv_bounds
 
     bs = 16 if not has_varlen_paged() else 256
     rng = np.random.default_rng(5)
@@ -291,7 +292,7 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
             continue
         try:
             runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
-                setup.model, setup.state, policy=policy, compile=True)
+                setup.model, setup.state, RunnerConfig(policy=policy, compile=True))
             runner.graphs.keep_graphs = True  # node counts
             report = runner.capture(progress=False)
             out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,

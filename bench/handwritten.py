@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphattn.models.tiny import TinyDecoder, rope
+from graphattn.backends.rope import rope
+from graphattn.models.tiny import TinyDecoder
 
 __all__ = ["HandwrittenDecode"]
 

@@ -7,10 +7,10 @@ import numpy as np
 
 from bench.setup import fill_requests, make_setup, set_lengths
 from bench.timing import spread, step_times
+from graphattn import BucketPolicy
 from graphattn.backends.paged import PagedAttentionBuilder
 from graphattn.batch import prepare_inputs
 from graphattn.capture.profiling import StageProfiler
-from graphattn.capture.runner import BucketPolicy
 from graphattn.metadata import build_common_metadata
 from graphattn.spec_decode import RejectionFeedback, apply_rejections
 from graphattn.state import SchedulerOutput

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from bench.setup import MODELS
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyDecoder
 from graphattn.proposer import NgramProposer
 from graphattn.state import RequestState, SchedulerOutput
@@ -48,9 +48,9 @@ def serve(model: TinyDecoder, device: str, work: list, mode: str, k: int,
     st = RequestState(max_reqs, 512, 16, device)
     if not model.caches:
         model.allocate_caches(max_reqs * st.max_num_blocks_per_req, 16)
-    runner = GraphRunner(model, st, policy=BucketPolicy(
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(1, 2, 4, 8, 16, 32), length_boundaries=(128, 256),
-        mixed_token_sizes=(64, 128, 256), decode_query_len=q),
+        mixed_token_sizes=(64, 128, 256), decode_query_len=q)),
         proposer=NgramProposer(n=2, window=64) if ngram else None)
     report = runner.capture(progress=False) if mode == "graphs" else None
     waiting = list(range(len(work)))

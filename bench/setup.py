@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphattn.capture.runner import BucketPolicy, GraphRunner
+from graphattn import BucketPolicy, GraphRunner, RunnerConfig
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
 
@@ -37,7 +37,7 @@ def make_setup(device: str, max_reqs: int, max_len: int, policy: BucketPolicy,
     st = RequestState(max_reqs, max_len, block_size, device)
     if not model.caches:
         model.allocate_caches(max_reqs * st.max_num_blocks_per_req, block_size)
-    return Setup(model, st, GraphRunner(model, st, policy=policy, **runner_kwargs))
+    return Setup(model, st, GraphRunner(model, st, RunnerConfig(policy=policy), **runner_kwargs))
 
 
 def set_lengths(state: RequestState, lengths: np.ndarray) -> None:

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from bench.workload import device_truth
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.workload import device_truth
 
 
 def _rss_mib() -> float:
@@ -40,9 +40,9 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
     model = TinyDecoder(cfg).to(device)
     st = RequestState(8, 96, 8, device)
     model.allocate_caches(8 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64), mixed_token_sizes=(16, 32, 64),
-        decode_query_len=3))
+        decode_query_len=3)))
     runner.capture(progress=False)
     keys = runner.dispatcher.all_keys()
     pending: list = []

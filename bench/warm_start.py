@@ -21,7 +21,7 @@ import torch
 
 CHILD = """
 import json, time, torch
-from graphattn.capture.runner import GraphRunner
+from graphattn import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
 dev = "{device}"

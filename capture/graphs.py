@@ -135,7 +135,11 @@ class CUDAGraphManager:
         What `replay` does for a key without a graph: raise
         GraphNotCapturedError, or run `forward` eagerly on the live inputs.
     warmup_iters : int
-        Eager runs (on a side stream) before each capture.
+        Eager runs (on a side stream) before each capture; off CUDA, runs per key (at
+        least one), the last standing for the recorded one.
+    recording : callable, optional
+        ``recording()`` -> a context manager entered around the recorded run of each key,
+        e.g. one in which compiles raise.
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class CUDAGraphManager:
         pad_values: Mapping[str, PadValue] | None = None,
         on_missing: Literal["error", "eager"] = "error",
         warmup_iters: int = 1,
+        recording: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
     ) -> None:
         if on_missing not in ("error", "eager"):
             raise ValueError(f"on_missing = {on_missing!r}, expected 'error' or 'eager'")
@@ -155,6 +160,7 @@ class CUDAGraphManager:
         self.pad_values = dict(pad_values or {})
         self.on_missing = on_missing
         self.warmup_iters = warmup_iters
+        self.recording = recording or contextlib.nullcontext
         self.use_graphs = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._captured: dict[GraphKey, _Captured] = {}
@@ -231,8 +237,10 @@ class CUDAGraphManager:
         return max(torch.cuda.memory_reserved(self.device) - reserved0, 0)
 
     def _capture_one(self, key: GraphKey, inputs: dict[str, torch.Tensor]) -> _Captured:
-        if not self.use_graphs:
-            for _ in range(self.warmup_iters):
+        if not self.use_graphs:  # the last warm-up run stands for the recorded one
+            for _ in range(self.warmup_iters - 1):
+                self.forward(inputs, key)
+            with self.recording():
                 self.forward(inputs, key)
             return _Captured(inputs, (), None)
         side = torch.cuda.Stream(self.device)
@@ -242,7 +250,7 @@ class CUDAGraphManager:
                 self.forward(inputs, key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = _new_graph(self.keep_graphs)
-        with torch.cuda.graph(graph, pool=self.pool):
+        with self.recording(), torch.cuda.graph(graph, pool=self.pool):
             outputs = self.forward(inputs, key)
         if self.keep_graphs and hasattr(graph, "instantiate"):
             graph.instantiate()

@@ -1,15 +1,15 @@
 """Wrap an existing model forward: step() = dispatch, plan, replay, advance the mirror.
 
-The whole device side of a step (prepare's device half, metadata build,
-forward, sampling, token write-back, device truth) is one capturable function;
+The whole device side of a step is one capturable function (`graphattn.capture.device_step`);
 a graph step leaves the host with one packed H2D copy and one graph launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +17,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
-from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors, plan_batch
+from graphattn.backends import AttentionBuilder, BackendSpec, BuilderContext, get_backend
+from graphattn.batch import BatchPlan, plan_batch
 from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.data_parallel import dispatch_across_ranks
+from graphattn.capture.device_step import DeviceStep, ModelForward, StepTensors
 from graphattn.capture.dispatcher import GraphDispatcher
 from graphattn.capture.graphs import (
     CaptureReport,
@@ -30,24 +31,27 @@ from graphattn.capture.graphs import (
 )
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
-from graphattn.checks import INT32_MAX, as_int32_array
-from graphattn.compile import BucketCompiler
-from graphattn.keys import CUDAGraphMode, GraphKey
-from graphattn.metadata import build_common_metadata
+from graphattn.config import INPUT_NAMES, RunnerConfig
+from graphattn.keys import BatchShape, CUDAGraphMode, GraphKey
 from graphattn.proposer import DraftProposer
 from graphattn.sampling import SamplingParams, SamplingTable
-from graphattn.spec_decode import FeedbackResult, RejectionFeedback, apply_rejections
+from graphattn.spec_decode import (
+    FeedbackResult,
+    RejectionFeedback,
+    apply_rejections,
+    check_drafts,
+)
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.transfer import CurrentStream, StagingRing, Uploader, side_copy, to_device
+from graphattn.transfer import (
+    CurrentStream,
+    OutputRing,
+    StagingRing,
+    TokenFuture,
+    Uploader,
+    to_device,
+)
 
-__all__ = ["BucketPolicy", "GraphRunner", "ModelForward", "SamplingParams", "StepOutput",
-           "TokenFuture"]
-
-# forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
-ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
-STATIC_INPUTS = ("input_ids", "positions")
-INPUT_NAMES = (*STATIC_INPUTS, "req_slots")
-
+__all__ = ["GraphRunner", "StepOutput"]
 
 @dataclass(slots=True)
 class StepOutput:
@@ -104,93 +108,6 @@ class StepOutput:
     emitted_host: TokenFuture | None = None
 
 
-class TokenFuture:
-    """A step's sampled tokens on their way to the host.
-
-    On CUDA a non-blocking copy into a pinned ring slot followed by an event;
-    `wait()` blocks on that event alone (never on later steps). The slot is
-    reused `_OutputRing.DEPTH` steps later: read a future before then (a later
-    read raises instead of returning another step's tokens). Elsewhere the copy
-    happens in `wait()`.
-    """
-
-    __slots__ = ("_src", "_ring", "_slot", "_version")
-
-    def __init__(self, src: torch.Tensor, ring: _OutputRing | None = None, slot: int = 0,
-                 version: int = 0) -> None:
-        self._src, self._ring, self._slot, self._version = src, ring, slot, version
-
-    def ready(self) -> bool:
-        """True when `wait()` would not block."""
-        return self._ring is None or self._ring.events[self._slot].query()
-
-    def wait(self) -> np.ndarray:
-        """int64 [num_reqs] (or [num_reqs, width]) tokens (blocks until this step's copy has
-        landed)."""
-        if self._ring is None:
-            return self._src.to("cpu").numpy().astype(np.int64, copy=True)
-        if self._ring.versions[self._slot] != self._version:
-            raise RuntimeError(f"this step's tokens were overwritten: read a TokenFuture within "
-                               f"{_OutputRing.DEPTH} steps")
-        self._ring.events[self._slot].synchronize()
-        return self._ring.host_np[self._slot][: self._src.shape[0]].copy()
-
-
-class _OutputRing:
-    """Pinned host slots (CUDA) that a step's tokens are copied into without blocking
-    (`width` columns per row when given).
-
-    With a side `stream` the current stream copies the tokens into the slot's device buffer
-    (a device copy) and the host copy runs on `stream`, so the host memory's latency (about
-    10 µs on the H200 box, scripts/step_copies.py) does not hold up the next step on the
-    current stream; without one the host copy runs on the current stream.
-    """
-
-    DEPTH = 8
-
-    def __init__(self, max_num_reqs: int, device: torch.device, width: int | None = None,
-                 stream: torch.cuda.Stream | None = None) -> None:
-        self.cuda = device.type == "cuda"
-        n = self.DEPTH if self.cuda else 0
-        shape = (max_num_reqs,) if width is None else (max_num_reqs, width)
-        self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(n)]
-        self.host_np = [h.numpy() for h in self.host]
-        self.device = [torch.zeros(shape, dtype=torch.int64, device=device)
-                       for _ in range(n if stream is not None else 0)]
-        self.events = [torch.cuda.Event() for _ in range(n)]
-        self.copied = [torch.cuda.Event() for _ in range(len(self.device))]
-        self.versions = [0] * n
-        self.stream = stream
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.i = 0
-
-    def push(self, values: torch.Tensor, current: torch.cuda.Stream | None = None
-             ) -> TokenFuture:
-        """Send `values` (a device tensor of at most max_num_reqs rows) to the host;
-        `current`: the current stream of its device, when the caller has it."""
-        if not self.cuda:
-            return TokenFuture(values)
-        i, self.i = self.i, (self.i + 1) % self.DEPTH
-        # the slot's previous copy (DEPTH steps ago) must have landed before it is reused;
-        # a loop that reads tokens a step late never waits here
-        self.events[i].synchronize()
-        self.versions[i] += 1
-        n = values.shape[0]
-        if current is None:
-            current = torch.cuda.current_stream(values.device)
-        if self.stream is None:
-            self.host[i][:n].copy_(values.long(), non_blocking=True)
-            self.events[i].record(current)
-            return TokenFuture(values, self, i, self.versions[i])
-        views = self._views.get((i, n))
-        if views is None:
-            views = self._views[i, n] = (self.device[i][:n], self.host[i][:n])
-        views[0].copy_(values)  # casts to int64 where needed
-        self.copied[i].record(current)
-        side_copy(self.stream, current, self.copied[i], views[1], views[0], self.events[i])
-        return TokenFuture(values, self, i, self.versions[i])
-
-
 def _vocab_size_of(forward: Any) -> int | None:
     for holder in (forward, getattr(forward, "model", None)):
         for attr in ("cfg", "config"):
@@ -200,144 +117,162 @@ def _vocab_size_of(forward: Any) -> int | None:
     return None
 
 
+def _static_input_names(forward: Any, config: RunnerConfig) -> tuple[str, ...]:
+    names = config.static_input_names
+    if names is None:
+        names = tuple(getattr(forward, "static_input_names", INPUT_NAMES[:2]))
+    bad = set(names) - set(INPUT_NAMES)
+    if bad:
+        raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
+                         f"{INPUT_NAMES}")
+    return tuple(names)
+
+
 class GraphRunner:
     """A model runner that replays CUDA graphs from CPU upper bounds.
 
     Parameters
     ----------
     forward : callable
-        ``forward(inputs, attn_metadata) -> logits [num_tokens, vocab]``; the
-        model owns its KV caches and calls the backend impl with
-        `attn_metadata`. `inputs` holds the `static_input_names`.
+        ``forward(inputs, attn_metadata) -> logits [num_tokens, vocab]``; the model owns
+        its KV caches and calls the backend impl with `attn_metadata`. `inputs` holds the
+        config's `static_input_names`.
     state : RequestState
-    backend : str
-        Registered backend name (`graphattn.backends.backend_names()`): its
-        builder factory makes the default builder, and its capture support is
-        what the dispatcher honours.
-    policy : BucketPolicy, optional
-        Which graphs exist (ignored when `dispatcher` is given).
-    static_input_names : sequence of str, optional
-        Subset of ("input_ids", "positions", "req_slots"): int64 [num_tokens]
-        token ids and positions, int64 [num_reqs_padded] request slot of each row
-        (0 in padded rows). Default: the forward's ``static_input_names`` when it
-        has one, else ("input_ids", "positions").
+    config : RunnerConfig, optional
+        Backend, graph mode, bucket policy, compile, sampling, copies, on_missing.
     builder : AttentionBuilder, optional
-        Default: the backend's factory, given this runner's `BuilderContext`.
-        ``builder.build(common, key)`` runs inside the captured step, so with
-        a key it must plan from the key and do only capturable device work.
-    on_missing : {"eager", "error"}
-        A key without a graph runs eagerly at the key's padded shapes (same
-        plan as its graph would use), or raises GraphNotCapturedError.
+        Default: the config's backend's factory, given this runner's `BuilderContext`.
+        ``builder.build(common, key)`` runs inside the captured step, so with a key it
+        must plan from the key and do only capturable device work.
+    dispatcher : GraphDispatcher, optional
+        Picks each step's key; given, it replaces the config's `policy` and
+        `cudagraph_mode` (which must then stay at their defaults).
+    proposer : DraftProposer, optional
+        Proposes drafts inside the step (e.g. `graphattn.proposer.NgramProposer`) for rows
+        the schedule gives drafts when step() gets no draft_token_ids; verified in the same
+        step (and graph).
     profiler : StageProfiler, optional
         NVTX / torch.profiler ranges per stage.
-    dispatcher : GraphDispatcher, optional
-        Picks the key of each step (default: one made from `policy` and the
-        backend's capture support).
-    compile : bool
-        Compile the device step with inductor (`BucketCompiler`, fullgraph), in two
-        parts around the builder: prepare's device half, then the forward with
-        sampling / verification, write-back and the truth's advance. Attention and
-        the KV write stay opaque custom ops, so the caches are written in place; one
-        compile per batch shape serves every length bucket. Steps with no key run
-        uncompiled. After a full `capture()` any further compile raises
-        RecompileError.
-    vocab_size : int, optional
-        Prompt token ids are checked against it at admission (default: the
-        model's ``cfg.vocab_size`` or ``config.vocab_size`` when it has one).
-    sampling : bool
-        Sample on the device with each request's SamplingParams (temperature,
-        top-k, top-p, seed) read from per-slot buffers, and return logprobs.
-        False: greedy only (no sort of the vocabulary in the graph).
-    mode : CUDAGraphMode or str
-        Which graphs exist (default full_and_piecewise: full keys first, then
-        piecewise keys when the policy has piecewise_token_sizes, then eager).
-        Piecewise keys run the forward compiled once and split at the attention
-        ops (`graphattn.capture.piecewise`), its pieces captured per padded token
-        count by `capture()`.
-    proposer : DraftProposer, optional
-        Proposes drafts inside the step (e.g. `graphattn.proposer.NgramProposer`)
-        for rows the schedule gives drafts when step() gets no draft_token_ids;
-        they are verified in the same step (and graph).
-    overlap_copies : bool
-        On CUDA, each replayed step's packed input goes to the device and its tokens to
-        the host on side streams, each behind a device copy on the current stream
-        (`graphattn.transfer.Uploader`): the host memory's latency overlaps the previous
-        graph instead of adding to the step (about 10 µs of GPU time per step on an H200,
-        bench/RESULTS.md) at the price of more host work per step (stream switches,
-        events). Set False where the host, not the GPU, bounds the step.
     """
 
-    def __init__(self, forward: ModelForward, state: RequestState, backend: str = "paged",
-                 policy: BucketPolicy | None = None,
-                 static_input_names: Sequence[str] | None = None,
-                 builder: AttentionBuilder | None = None, on_missing: str = "eager",
-                 profiler: StageProfiler | None = None,
-                 dispatcher: GraphDispatcher | None = None, compile: bool = False,
-                 vocab_size: int | None = None, sampling: bool = False,
-                 mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
-                 proposer: DraftProposer | None = None, overlap_copies: bool = True) -> None:
-        if static_input_names is None:
-            static_input_names = getattr(forward, "static_input_names", STATIC_INPUTS)
-        bad = set(static_input_names) - set(INPUT_NAMES)
-        if bad:
-            raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
-                             f"{INPUT_NAMES}")
+    def __init__(self, forward: ModelForward, state: RequestState,
+                 config: RunnerConfig | None = None, *, builder: AttentionBuilder | None = None,
+                 dispatcher: GraphDispatcher | None = None,
+                 proposer: DraftProposer | None = None,
+                 profiler: StageProfiler | None = None) -> None:
+        config = RunnerConfig() if config is None else config
+        if not isinstance(config, RunnerConfig):
+            raise TypeError(f"config must be a RunnerConfig, got {type(config).__name__}")
+        if proposer is not None and not isinstance(proposer, DraftProposer):
+            raise TypeError(f"proposer {type(proposer).__name__} has no propose(token_ids, "
+                            "req_slots, last_positions, num_drafts)")
         slots = getattr(forward, "max_num_reqs", None)
         if isinstance(slots, int) and slots < state.max_num_reqs:
             raise ValueError(f"{type(forward).__name__} holds per-request state for "
                              f"max_num_reqs = {slots} slots, expected >= the state's "
                              f"{state.max_num_reqs}")
-        spec = get_backend(backend)
-        self.forward = forward
-        # compile: the device step around the builder, two compiled parts per batch shape
-        self.compiler = BucketCompiler(self._run_compiled) if compile else None
-        self._assembler = BucketCompiler(assemble_tensors) if compile else None
-        self.state = state
-        self.policy = policy or BucketPolicy()
-        self.static_input_names = tuple(static_input_names)
-        if dispatcher is None:
-            dispatcher = GraphDispatcher.from_policy(self.policy, state.max_model_len,
-                                                     spec.capture_support, mode,
-                                                     state.max_num_reqs)
-        self.dispatcher = dispatcher
-        ctx = BuilderContext(state.block_size, dispatcher.decode_query_len, state.max_model_len,
-                             dispatcher.length_buckets, state.device)
-        self.builder = spec.make_builder(ctx) if builder is None else builder
-        if not isinstance(self.builder, AttentionBuilder):
-            raise TypeError(f"builder {type(self.builder).__name__} has no build(common, key)")
-        self.graphs = CUDAGraphManager(self._graph_forward, state.device, on_missing=on_missing)
-        self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
-            dispatcher.piecewise_token_sizes) else None
+        self.config, self.state = config, state
+        self.static_input_names = _static_input_names(forward, config)
+        spec = get_backend(config.backend)
+        self.dispatcher = self._dispatcher(dispatcher, spec)
+        self.builder = self._builder(builder, spec)
         self.profiler = profiler or StageProfiler(enabled=False)
+        compiled = config.compile.enabled
+        # compiled: two warm-ups compile (and autotune) whatever the first run's side effects
+        # ask for; the recorded run compiles nothing (off CUDA, the last run stands for it)
+        warmup = 2 + (state.device.type != "cuda") if compiled else 1
+        self.graphs = CUDAGraphManager(
+            self._graph_forward, state.device, on_missing=config.on_missing,
+            warmup_iters=warmup, recording=self._steady_state if compiled else None)
+        self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
+            self.dispatcher.piecewise_token_sizes) else None
+        self.vocab_size = config.vocab_size or _vocab_size_of(forward)
+        sampler = SamplingTable(state.max_num_reqs, state.device) if config.sampling else None
+        self.device_step = DeviceStep(
+            forward, state, self.builder, self.dispatcher.decode_query_len,
+            self.static_input_names, config.compile, self.vocab_size, sampler, proposer,
+            self.piecewise, self.profiler)
+        self._init_host()
+
+    @property
+    def forward(self) -> ModelForward:
+        """The wrapped model forward (the device step calls it)."""
+        return self.device_step.forward
+
+    @forward.setter
+    def forward(self, fn: ModelForward) -> None:
+        self.device_step.forward = fn
+
+    @property
+    def policy(self) -> BucketPolicy:
+        return self.config.policy
+
+    @property
+    def proposer(self) -> DraftProposer | None:
+        return self.device_step.proposer
+
+    @property
+    def sampler(self) -> SamplingTable | None:
+        return self.device_step.sampler
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """int64 [max_num_reqs, max_model_len + 1]: each slot's prompt and sampled tokens."""
+        return self.device_step.token_ids
+
+    @property
+    def compiler(self) -> Any:
+        """The device step's `BucketCompiler` (None unless compiled)."""
+        return self.device_step.compiler
+
+    def _dispatcher(self, given: GraphDispatcher | None, spec: BackendSpec) -> GraphDispatcher:
+        cfg, default = self.config, RunnerConfig()
+        if given is None:
+            return GraphDispatcher.from_policy(cfg.policy, self.state.max_model_len,
+                                               spec.capture_support, cfg.cudagraph_mode,
+                                               self.state.max_num_reqs)
+        if cfg.policy != default.policy or cfg.cudagraph_mode != default.cudagraph_mode:
+            raise ValueError("a dispatcher decides the keys: give it or config.policy / "
+                             "config.cudagraph_mode, not both")
+        return given
+
+    def _builder(self, given: AttentionBuilder | None, spec: BackendSpec) -> AttentionBuilder:
+        st, d = self.state, self.dispatcher
+        if given is None:
+            ctx = BuilderContext(st.block_size, d.decode_query_len, st.max_model_len,
+                                 d.length_buckets, st.device)
+            given = spec.make_builder(ctx)
+        if not isinstance(given, AttentionBuilder):
+            raise TypeError(f"builder {type(given).__name__} has no build(common, key)")
+        return given
+
+    def _init_host(self) -> None:
+        """Host-side step state: plans, lock, staging and the output rings."""
+        st = self.state
+        cuda = st.device.type == "cuda"
         self.padding = PaddingStats()
-        self.vocab_size = vocab_size if vocab_size is not None else _vocab_size_of(forward)
         self._plans: dict[GraphKey, BatchPlan] = {}
-        self._step_lock = threading.Lock()
+        self._owner_lock, self._owner = threading.Lock(), None  # see _exclusive
         self._inference = torch.inference_mode()  # entered by step() alone (under the lock)
-        self._device_advanced = False
-        self.sampler = SamplingTable(state.max_num_reqs, state.device) if sampling else None
-        self._staging = StagingRing(state.device)
-        self._current = CurrentStream(state.device) if state.device.type == "cuda" else None
-        overlap = overlap_copies and state.device.type == "cuda"
-        self._uploader = Uploader(state.device) if overlap else None
+        self._staging = StagingRing(st.device)
+        self._current = CurrentStream(st.device) if cuda else None
+        overlap = self.config.overlap_copies and cuda
+        self._uploader = Uploader(st.device) if overlap else None
         # tokens, rejections and emitted counts go to the host on one side stream
-        download = torch.cuda.Stream(state.device) if overlap else None
-        self._outputs = _OutputRing(state.max_num_reqs, state.device, stream=download)
-        self._rejections = _OutputRing(state.max_num_reqs, state.device, stream=download)
-        self._emitted = _OutputRing(state.max_num_reqs, state.device,
-                                    dispatcher.decode_query_len, download)
-        if proposer is not None and not isinstance(proposer, DraftProposer):
-            raise TypeError(f"proposer {type(proposer).__name__} has no propose(token_ids, "
-                            "req_slots, last_positions, num_drafts)")
-        self.proposer = proposer
-        # drafts given as a device tensor wait here by slot until the step reads them
-        self.slot_drafts = torch.full((state.max_num_reqs, max(dispatcher.decode_query_len - 1,
-                                                               1)), -1, dtype=torch.int64,
-                                      device=state.device)
-        # one spare column: sampled tokens of unfinished prefills land there
-        self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
-                                     dtype=torch.int64, device=state.device)
-        self.prompt_lens = torch.zeros(state.max_num_reqs, dtype=torch.int32, device=state.device)
+        download = torch.cuda.Stream(st.device) if overlap else None
+        self._outputs = OutputRing(st.max_num_reqs, st.device, stream=download)
+        self._rejections = OutputRing(st.max_num_reqs, st.device, stream=download)
+        self._emitted = OutputRing(st.max_num_reqs, st.device,
+                                   self.dispatcher.decode_query_len, download)
+
+    @contextlib.contextmanager
+    def _steady_state(self) -> Iterator[None]:
+        """Compiles raise inside: a graph records only code compiled (and autotuned) before."""
+        with contextlib.ExitStack() as stack:
+            for c in self.device_step.compilers():
+                stack.enter_context(c.steady_state())
+            yield
+
 
     # -- requests ---------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
@@ -370,7 +305,7 @@ class GraphRunner:
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if self.sampler is None and sampling != SamplingParams():
             raise ValueError(f"request {req_id!r} asks for {sampling}, but this runner samples "
-                             "greedily: build it with GraphRunner(..., sampling=True)")
+                             "greedily: build it with RunnerConfig(sampling=True)")
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or (ids.size and (ids.dtype == bool
                                            or not np.issubdtype(ids.dtype, np.integer))):
@@ -386,9 +321,10 @@ class GraphRunner:
             b = st.max_num_blocks_per_req
             block_ids = np.arange(free * b, (free + 1) * b)
         slot = st.add_request(req_id, int(ids.shape[0]), block_ids, num_computed_tokens)
-        self.token_ids[slot].zero_()  # nothing of the slot's previous occupant survives
-        self.token_ids[slot, : ids.shape[0]] = to_device(ids.astype(np.int64), st.device)
-        self.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
+        dev = self.device_step
+        dev.token_ids[slot].zero_()  # nothing of the slot's previous occupant survives
+        dev.token_ids[slot, : ids.shape[0]] = to_device(ids.astype(np.int64), st.device)
+        dev.prompt_lens[slot : slot + 1].fill_(int(ids.shape[0]))
         if self.sampler is not None:
             self.sampler.set(slot, sampling)
         if encoded is not None:
@@ -421,142 +357,10 @@ class GraphRunner:
         """
         self.state.resync()
 
-    # -- the step on the device ------------------------------------------
-    def _device_step(self, packed: torch.Tensor, plan: BatchPlan, key: GraphKey | None,
-                     piecewise: bool = False) -> tuple[torch.Tensor | None, ...]:
-        """Everything a step does on the device, from its packed buffer (capturable).
-
-        Device half of prepare, metadata build (a key fixes the plan), forward,
-        sampling, speculative verification, token write-back and the device
-        truth's advance. Only `plan`'s padded sizes shape the recorded work, so
-        one capture serves every live batch of its key; padded rows write into
-        the spare column and advance by 0.
-
-        Verification (keys whose rows may carry drafts): the target's token at
-        every query position is sampled; a row accepts its drafts up to the
-        first one that differs from the target's token there (for greedy rows
-        the greedy match; for sampled rows sample-and-match, which is exact
-        rejection sampling for a draft given as a token), its output is the
-        target's token after the accepted drafts, and its truth advances by
-        1 + accepted. `piecewise`: the key is piecewise, so the forward runs as
-        the split pieces (captured per token count) around eager attention.
-
-        Returns
-        -------
-        logits : [num_reqs_padded, vocab] at each row's output position;
-        sampled : int64 [num_reqs_padded]; logprobs : float32 [num_reqs_padded]
-        (None without a sampler); rejected : int32 [num_reqs_padded];
-        emitted : int64 [num_reqs_padded, decode_query_len] (see StepOutput.emitted_host)
-        """
-        st = self.state
-        compiled = self.compiler is not None and key is not None and not piecewise
-        batch = assemble_batch(st, plan, packed, self._assembler if compiled else
-                               assemble_tensors)
-        with self.profiler.range("build", key):
-            meta = self.builder.build(build_common_metadata(batch), key)
-        spec = self.dispatcher.decode_query_len > 1 and (
-            key is None or not key.uniform_decode or key.query_len > 1)
-        # one token per row, row r's at index r: the logits need no gather
-        single = (key is not None and key.uniform_decode
-                  and key.num_tokens_padded == key.num_reqs_padded)
-        if compiled:
-            outs = self.compiler(batch, meta, spec, single)
-        else:
-            outs = self._run(batch, meta, spec, single,
-                             self.piecewise if piecewise else self.forward)
-        self._device_advanced = True
-        return outs
-
-    def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
-                      single: bool) -> tuple[torch.Tensor | None, ...]:
-        return self._run(batch, meta, spec, single, self.forward)
-
-    def _run(self, batch: InputBatch, meta: Any, spec: bool, single: bool,
-             forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
-        """Token ids in, forward, sampling, verification, write-back and the truth's advance
-        (pure device work on `batch` and `meta`: compiled with the forward when compile=True).
-        `single`: every row has one token, row r's at index r (a key's uniform decode), so
-        the logits are the forward's own rows (no gather: at 128 rows of a 128K vocabulary
-        that copy is 32 MiB).
-        """
-        st = self.state
-        ids = self.token_ids[batch.token_slots, batch.positions]
-        qsl = batch.query_start_loc.long()
-        if spec:  # each token's row and offset in it (plain steps launch none of this)
-            t = ids.shape[0]
-            rows = batch.req_indices
-            offset = torch.arange(t, device=ids.device) - qsl[rows]
-            # rows with drafts but no ids from the host: the proposer's, else the ids a
-            # device tensor left in `slot_drafts` (out-of-range ids count as no draft)
-            drafts = batch.draft_ids.long()
-            k = self.dispatcher.decode_query_len - 1
-            if self.proposer is not None:
-                last = batch.positions[qsl[:-1].clamp(max=max(t - 1, 0))]
-                source = self.proposer.propose(self.token_ids, batch.req_slots, last, k)
-            else:
-                source = self.slot_drafts[batch.req_slots]
-            wanted = (offset >= 1) & (offset <= batch.num_drafts.long()[rows]) & (drafts < 0)
-            drafts = torch.where(wanted, source[rows, (offset - 1).clamp(0, k - 1)], drafts)
-            if self.vocab_size:
-                drafts = torch.where(drafts < self.vocab_size, drafts, -1)
-            is_draft = drafts >= 0
-            ids = torch.where(is_draft, drafts, ids)
-            col = torch.where(is_draft, batch.positions, st.max_model_len)
-            self.token_ids[batch.token_slots, col] = ids  # non-draft tokens: the spare column
-        inputs = {}
-        if "input_ids" in self.static_input_names:
-            inputs["input_ids"] = ids
-        if "positions" in self.static_input_names:
-            inputs["positions"] = batch.positions
-        if "req_slots" in self.static_input_names:
-            inputs["req_slots"] = batch.req_slots
-        logits_all = forward(inputs, meta)
-        seq = batch.seq_lens.long()
-        width = self.dispatcher.decode_query_len
-        if not spec:
-            if single:
-                logits = logits_all[: qsl.shape[0] - 1]
-            else:
-                logits = logits_all[(qsl[1:] - 1).clamp(min=0)]
-            sampled, logprobs = self._sample(logits, batch.req_slots, seq)
-            # no row of a plain step carries drafts (num_drafts is 0 throughout), so none is
-            # rejected: the input itself, not a fill launched per step
-            rejected = batch.num_drafts
-            emitted = sampled[:, None] if width == 1 else torch.cat(  # a view: no launch
-                [sampled[:, None], sampled.new_full((sampled.shape[0], width - 1), -1)], 1)
-        else:
-            target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
-            nxt = torch.cat([ids[1:], ids.new_full((1,), -1)])
-            bad = (offset < batch.num_drafts.long()[rows]) & (target != nxt)
-            first_bad = torch.full_like(seq, t).scatter_reduce(
-                0, rows, torch.where(bad, offset, t), "amin")
-            accepted = torch.minimum(first_bad, batch.num_drafts.long())
-            rejected = (batch.num_drafts.long() - accepted).to(torch.int32)
-            # a row's output follows its accepted drafts: its last token minus the rejected
-            out_idx = (qsl[1:] - 1 - rejected).clamp(min=0)
-            logits, sampled = logits_all[out_idx], target[out_idx]
-            logprobs = None if lp_all is None else lp_all[out_idx]
-            # a row emits its accepted drafts (equal to the target there), then `sampled`
-            j = torch.arange(width, device=ids.device)
-            at = (qsl[:-1, None] + batch.num_scheduled.long()[:, None] - 1
-                  - batch.num_drafts.long()[:, None] + j).clamp(0, max(t - 1, 0))
-            emitted = torch.where(j <= accepted[:, None], target[at], -1)
-            seq = seq - rejected
-        done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
-        col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
-        self.token_ids[batch.req_slots, col] = sampled
-        st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
-        return logits, sampled, logprobs, rejected, emitted
-
-    def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.sampler is None:  # greedy, no log-probabilities
-            return logits.argmax(-1), None
-        return self.sampler.sample(logits, slots, positions)
-
-    def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey):
+    # -- capture -----------------------------------------------------------
+    def _graph_forward(self, inputs: dict[str, torch.Tensor], key: GraphKey) -> StepTensors:
         packed = inputs["packed"].to(self.state.device, non_blocking=True)  # static: no-op
-        return self._device_step(packed, self._dummy_plan(key), key)
+        return self.device_step(packed, self._dummy_plan(key), key)
 
     def _dummy_plan(self, key: GraphKey) -> BatchPlan:
         """The all-padded plan of `key` (cached; its packed buffer is never written)."""
@@ -569,10 +373,12 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self, keys: Sequence[GraphKey] | None = None,
                 progress: bool = True) -> CaptureReport:
-        """Capture every key of the policy (or `keys`), largest first, from dummy runs.
+        """Capture every key of the config (or `keys`), largest first, from dummy runs.
 
-        Keys already captured are skipped. With `progress`, a tqdm bar over the
-        keys (its total known before the first capture) and a one-line summary.
+        Keys already captured are skipped. Compiled runners run each key's compiled code
+        (and inductor's autotuning) in the warm-up runs; the recorded run compiles nothing
+        (RecompileError otherwise). With `progress`, a tqdm bar over the keys and a one-line
+        summary.
         """
 
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
@@ -588,17 +394,17 @@ class GraphRunner:
                 for key in self.dispatcher.piecewise_keys():  # largest first, shared pool
                     plan = self._dummy_plan(key)
                     with self.piecewise.at_tokens(key.num_tokens_padded, capture=True):
-                        self._device_step(to_device(plan.packed, self.state.device), plan, key,
-                                          piecewise=True)
+                        self.device_step(to_device(plan.packed, self.state.device), plan, key,
+                                         piecewise=True)
                 report.num_piecewise = len(self.dispatcher.piecewise_keys())
                 report.seconds = time.perf_counter() - t0
                 if progress:
                     tqdm.write(f"graphattn: {report}")
-        if self.compiler is not None and keys is None:
-            self.compiler.freeze()
-            self._assembler.freeze()
-        if self.piecewise is not None and keys is None:
-            self.piecewise.freeze()
+        if keys is None:
+            for c in self.device_step.compilers():
+                c.freeze()
+            if self.piecewise is not None:
+                self.piecewise.freeze()
         return report
 
     @torch.inference_mode()
@@ -615,7 +421,7 @@ class GraphRunner:
         On a graph step the host plans on CPU, copies one packed buffer into
         the graph's static input and replays; everything else runs inside the
         graph. A key without a graph raises or runs eagerly at the key's
-        padded shapes (`on_missing`); with on_missing="error" a batch that fits
+        padded shapes (`RunnerConfig.on_missing`); with on_missing="error" a batch that fits
         no key raises too. `force_eager` runs unpadded with no key (the
         benchmarks' eager baseline).
 
@@ -639,14 +445,29 @@ class GraphRunner:
         work (rolled back if that work was never enqueued). One thread at a
         time: a concurrent call raises RuntimeError.
         """
-        if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError("GraphRunner.step() is already running in another thread; a "
-                               "runner and its state are driven by one thread")
+        with self._exclusive("step()"), self._inference:
+            return self._step(sched, force_eager, key, group, draft_token_ids)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """Own the runner for one call (RuntimeError when a call already owns it).
+
+        Ownership is taken inside the ``try``: an interrupt at any point releases it.
+        """
+        me, busy = threading.get_ident(), False
         try:
-            with self._inference:
-                return self._step(sched, force_eager, key, group, draft_token_ids)
+            with self._owner_lock:
+                if self._owner is not None:
+                    busy = True
+                    raise RuntimeError(f"GraphRunner.{what}: the runner is already running in "
+                                       "another thread (or re-entered); a runner and its "
+                                       "state are driven by one thread, one call at a time")
+                self._owner = me
+            yield
         finally:
-            self._step_lock.release()
+            if not busy and self._owner == me:
+                self._owner = None
+
 
     def _step(self, sched: SchedulerOutput, force_eager: bool, given: GraphKey | None,
               group: Any, draft_token_ids: Any) -> StepOutput:
@@ -654,108 +475,96 @@ class GraphRunner:
         st, prof = self.state, self.profiler
         with prof.range("dispatch"):
             shape = st.batch_shape(sched, self.dispatcher.decode_query_len)
-            drafts = self._check_drafts(sched, draft_token_ids)
-            if given is not None:
-                self.dispatcher.check_fits(given, shape)
-                key = given
-            elif group is not None:
-                key, _ = dispatch_across_ranks(self.dispatcher, shape, group)
-            else:
-                key = None if force_eager else self.dispatcher.dispatch_shape(shape)
-            if key is None and not force_eager and self.graphs.on_missing == "error":
-                raise GraphNotCapturedError(
-                    f"no graph key fits the batch (reqs {shape.num_reqs}, tokens "
-                    f"{shape.num_tokens}, max len {shape.max_seq_len}, uniform "
-                    f"{shape.uniform_decode}) and on_missing='error' runs nothing eagerly")
-            piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
-            replayed = key is not None and key in self.graphs
+            drafts = check_drafts(st, sched, draft_token_ids, self.dispatcher.decode_query_len,
+                                  self.vocab_size, self.proposer is not None)
+            key = self._key(shape, force_eager, given, group)
         with prof.range("prepare"):
-            pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
-            on_device = isinstance(drafts, torch.Tensor)
-            plan = plan_batch(st, sched, *pads, shape=shape,
-                              draft_token_ids=None if on_device else drafts,
-                              staging=self._staging)
-            if on_device:
-                self.slot_drafts[to_device(sched.req_slots.astype(np.int64), st.device)] = (
-                    drafts.to(st.device, torch.int64))
-        # the mirror advances with the device work: rolled back below if that work never ran
-        st.advance_mirror(sched, shape.seq_lens_upper_bound)
-        self._device_advanced = False
-        current = None if self._current is None else self._current()
-        try:
-            with prof.range("replay" if replayed else "eager", key):
-                if key is None or piecewise:
-                    packed = to_device(plan.packed, st.device)
-                    if piecewise:
-                        with self.piecewise.at_tokens(key.num_tokens_padded):
-                            outs = self._device_step(packed, plan, key, piecewise=True)
-                    else:
-                        outs = self._device_step(packed, plan, None)
-                    outs = slice_outputs(outs, sched.num_reqs)
-                else:
-                    outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs,
-                                                     self._uploader, current)
-                    self._device_advanced = True
-            # its copy to the device is enqueued
-            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan, current)
-        except BaseException:
-            if not self._device_advanced:
-                st.rewind_mirror(sched)
-            raise
+            plan = self._plan(sched, shape, key, drafts)
+        outs, mode, current = self._launch(sched, shape, key, plan)
         with prof.range("postprocess"):
-            host = self._outputs.push(outs[1], current)
-            feedback = rejected = emitted = None
-            if sched.num_draft_tokens is not None:
-                rejected = self._rejections.push(outs[3], current)
-                emitted = self._emitted.push(outs[4], current)
-                # rejected counts are filled in by apply_feedback once they reach the host
-                feedback = RejectionFeedback.of_step(st, sched, np.zeros(sched.num_reqs, np.int32))
+            out = self._outputs_of(sched, outs, key, mode, current)
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)
-        mode = (CUDAGraphMode.PIECEWISE if piecewise else
-                CUDAGraphMode.FULL if replayed else CUDAGraphMode.NONE)
-        return StepOutput(outs[0], outs[1], key, replayed, time.perf_counter() - t0, host,
-                          outs[2] if self.sampler is not None else None,
-                          outs[3] if feedback is not None else None, rejected, feedback, mode,
-                          emitted)
+        out.host_seconds = time.perf_counter() - t0
+        return out
 
-    def _check_drafts(self, sched: SchedulerOutput, draft_token_ids: Any) -> np.ndarray | None:
-        """Validate a step's drafts on the CPU (before anything changes)."""
-        if sched.num_draft_tokens is None or not sched.num_draft_tokens.any():
-            if draft_token_ids is not None and len(draft_token_ids):
-                raise ValueError("draft_token_ids given but the schedule has no num_draft_tokens")
-            return None
-        if self.dispatcher.decode_query_len < 2:
-            raise ValueError("drafts need a runner whose policy has decode_query_len > 1")
-        if draft_token_ids is None and self.proposer is None:
-            raise ValueError("sched.num_draft_tokens > 0 needs draft_token_ids (or a runner "
-                             "built with a proposer)")
-        most = self.dispatcher.decode_query_len - 1
-        if sched.num_draft_tokens.max() > most:
-            raise ValueError(f"num_draft_tokens up to {sched.num_draft_tokens.max()}, expected "
-                             f"<= decode_query_len - 1 = {most}")
+    def _key(self, shape: BatchShape, force_eager: bool, given: GraphKey | None,
+             group: Any) -> GraphKey | None:
+        """The step's key from CPU numbers (None: eager at the batch's own shapes)."""
+        if given is not None:
+            self.dispatcher.check_fits(given, shape)
+            return given
+        if group is not None:
+            return dispatch_across_ranks(self.dispatcher, shape, group)[0]
+        key = None if force_eager else self.dispatcher.dispatch_shape(shape)
+        if key is None and not force_eager and self.graphs.on_missing == "error":
+            raise GraphNotCapturedError(
+                f"no graph key fits the batch (reqs {shape.num_reqs}, tokens "
+                f"{shape.num_tokens}, max len {shape.max_seq_len}, uniform "
+                f"{shape.uniform_decode}) and on_missing='error' runs nothing eagerly")
+        return key
+
+    def _plan(self, sched: SchedulerOutput, shape: BatchShape, key: GraphKey | None,
+              drafts: Any) -> BatchPlan:
         st = self.state
-        with_drafts = sched.num_draft_tokens > 0
-        pre = st.num_computed_tokens_np[sched.req_slots] < st.num_prompt_tokens_np[sched.req_slots]
-        if (with_drafts & pre).any():
-            raise ValueError(f"slots {sched.req_slots[with_drafts & pre].tolist()} have drafts "
-                             "before their prompt is computed")
-        if draft_token_ids is None:
-            return None  # the proposer drafts inside the step
-        if isinstance(draft_token_ids, torch.Tensor) and (
-                draft_token_ids.device.type != "cpu" or draft_token_ids.dim() == 2):
-            if self.proposer is not None:
-                raise ValueError("draft_token_ids as a device tensor needs a runner without a "
-                                 "proposer (its proposer drafts rows given no host ids)")
-            want = (sched.num_reqs, most)
-            if tuple(draft_token_ids.shape) != want or draft_token_ids.is_floating_point():
-                raise ValueError(f"draft_token_ids as a tensor on {draft_token_ids.device} must be "
-                                 f"integer of shape {want} (rows, decode_query_len - 1), got "
-                                 f"{draft_token_ids.dtype} {tuple(draft_token_ids.shape)}")
-            return draft_token_ids  # written to slot_drafts by the step, read on the device
-        hi = self.vocab_size - 1 if self.vocab_size else INT32_MAX
-        return as_int32_array("draft_token_ids", draft_token_ids, 0, hi)
+        pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
+        on_device = isinstance(drafts, torch.Tensor)
+        plan = plan_batch(st, sched, *pads, shape=shape,
+                          draft_token_ids=None if on_device else drafts,
+                          staging=self._staging)
+        if on_device:
+            self.device_step.slot_drafts[to_device(sched.req_slots.astype(np.int64),
+                                                   st.device)] = drafts.to(st.device,
+                                                                           torch.int64)
+        return plan
+
+    def _launch(self, sched: SchedulerOutput, shape: BatchShape, key: GraphKey | None,
+                plan: BatchPlan) -> tuple[StepTensors, CUDAGraphMode, Any]:
+        """Advance the mirror and enqueue the device work (the mirror is rewound when that
+        work was never enqueued)."""
+        st, dev = self.state, self.device_step
+        piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
+        full = key is not None and not piecewise  # replayed, or eager at the key's shapes
+        st.advance_mirror(sched, shape.seq_lens_upper_bound)
+        dev.advanced = False
+        current = None if self._current is None else self._current()
+        try:
+            with self.profiler.range("replay" if full and key in self.graphs else "eager", key):
+                if full:
+                    outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs,
+                                                     self._uploader, current)
+                    dev.advanced = True
+                else:
+                    packed = to_device(plan.packed, st.device)
+                    with (self.piecewise.at_tokens(key.num_tokens_padded) if piecewise
+                          else contextlib.nullcontext()):
+                        outs = dev(packed, plan, key if piecewise else None, piecewise)
+                    outs = slice_outputs(outs, sched.num_reqs)
+            # its copy to the device is enqueued
+            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan, current)
+        except BaseException:
+            if not dev.advanced:
+                st.rewind_mirror(sched)
+            raise
+        mode = (CUDAGraphMode.PIECEWISE if piecewise else
+                CUDAGraphMode.FULL if full and key in self.graphs else CUDAGraphMode.NONE)
+        return outs, mode, current
+
+    def _outputs_of(self, sched: SchedulerOutput, outs: StepTensors, key: GraphKey | None,
+                    mode: CUDAGraphMode, current: Any) -> StepOutput:
+        """The step's outputs, their host copies started (`current`: the current stream)."""
+        out = StepOutput(outs[0], outs[1], key, mode == CUDAGraphMode.FULL, 0.0,
+                         self._outputs.push(outs[1], current),
+                         outs[2] if self.sampler is not None else None, mode=mode)
+        if sched.num_draft_tokens is not None:
+            out.num_rejected = outs[3]
+            out.rejected_host = self._rejections.push(outs[3], current)
+            out.emitted_host = self._emitted.push(outs[4], current)
+            # rejected counts are filled in by apply_feedback once they reach the host
+            out.feedback = RejectionFeedback.of_step(self.state, sched,
+                                                     np.zeros(sched.num_reqs, np.int32))
+        return out
 
     def apply_feedback(self, out: StepOutput) -> FeedbackResult:
         """Correct the CPU mirror with a step's rejected drafts (late is fine).
@@ -764,9 +573,12 @@ class GraphRunner:
         row by row: rows whose request finished or was preempted since are
         refused as stale, a second application as duplicate.
         """
+        if not isinstance(out, StepOutput):
+            raise ValueError(f"out must be a StepOutput, got {type(out).__name__}")
         if out.feedback is None or out.rejected_host is None:
             raise ValueError("this step had no drafts: nothing to apply")
         rejected = out.rejected_host.wait().astype(np.int32)
         fb = out.feedback
-        return apply_rejections(self.state, RejectionFeedback(
-            fb.req_slots, fb.num_draft_tokens, rejected, fb.generations, fb.step))
+        with self._exclusive("apply_feedback()"):
+            return apply_rejections(self.state, RejectionFeedback(
+                fb.req_slots, fb.num_draft_tokens, rejected, fb.generations, fb.step))

@@ -1,9 +1,59 @@
-"""graphattn: sync-free attention metadata from CPU upper bounds, CUDA-graph replay and
-torch.compile per bucket for LLM inference.
+"""graphattn: replay CUDA graphs and torch.compile artifacts at every step of LLM inference,
+with every shape, kernel and graph picked from CPU upper bounds (no host read of device state).
 
-Stages, one module each: `state` -> `batch` -> `metadata` -> `backends` -> `ubatch` /
-`spec_decode`; graph keys and buckets in `keys` / `buckets`; the capture layer
-(dispatch, graphs, runner, profiling) in `graphattn.capture`.
+The public surface::
+
+    from graphattn import (GraphRunner, RunnerConfig, CompileConfig, RequestState,
+                           SchedulerOutput, SamplingParams, CUDAGraphMode, BucketPolicy,
+                           no_host_sync)
+
+Names are imported on first use, so ``import graphattn`` stays light.
 """
 
-__version__ = "0.2.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.3.0"
+
+# public name -> the module that defines it
+_HOMES = {
+    "BucketPolicy": "graphattn.buckets",
+    "CompileConfig": "graphattn.config",
+    "CUDAGraphMode": "graphattn.keys",
+    "GraphKey": "graphattn.keys",
+    "GraphRunner": "graphattn.capture.runner",
+    "NgramProposer": "graphattn.proposer",
+    "RequestState": "graphattn.state",
+    "RunnerConfig": "graphattn.config",
+    "SamplingParams": "graphattn.sampling",
+    "SchedulerOutput": "graphattn.state",
+    "StepOutput": "graphattn.capture.runner",
+    "no_host_sync": "graphattn.sync",
+}
+
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from graphattn.buckets import BucketPolicy
+    from graphattn.capture.runner import GraphRunner, StepOutput
+    from graphattn.config import CompileConfig, RunnerConfig
+    from graphattn.keys import CUDAGraphMode, GraphKey
+    from graphattn.proposer import NgramProposer
+    from graphattn.sampling import SamplingParams
+    from graphattn.state import RequestState, SchedulerOutput
+    from graphattn.sync import no_host_sync
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'graphattn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

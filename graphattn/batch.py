@@ -202,14 +202,35 @@ def plan_batch(
     """
     if shape is None:
         shape = state.batch_shape(sched)
-    num_reqs = shape.num_reqs
-    num_tokens = shape.num_tokens
-    reqs_p = num_reqs if num_reqs_padded is None else num_reqs_padded
-    toks_p = num_tokens if num_tokens_padded is None else num_tokens_padded
-    if reqs_p < num_reqs:
-        raise ValueError(f"num_reqs_padded = {reqs_p} is below num_reqs = {num_reqs}")
-    if toks_p < num_tokens:
-        raise ValueError(f"num_tokens_padded = {toks_p} is below num_tokens = {num_tokens}")
+    reqs_p, toks_p = _padded_sizes(shape, num_reqs_padded, num_tokens_padded)
+    _check_draft_ids(sched, draft_token_ids)
+
+    def make() -> BatchPlan:
+        size = sum(_packed_sizes(reqs_p, toks_p))
+        return BatchPlan(0, reqs_p, 0, toks_p, staging_buffer(size, torch.int32, state.device),
+                         True)
+
+    plan = make() if staging is None else staging.take((reqs_p, toks_p), make)
+    plan.num_reqs, plan.num_tokens = shape.num_reqs, shape.num_tokens
+    pending = state.num_pending_drafts_np  # the whole table first: no gather without drafts
+    plan.seq_lens_exact = not (pending.any() and pending[sched.req_slots].any())
+    _fill_plan(plan, sched, shape, draft_token_ids)
+    return plan
+
+
+def _padded_sizes(shape: BatchShape, num_reqs_padded: int | None,
+                  num_tokens_padded: int | None) -> tuple[int, int]:
+    reqs_p = shape.num_reqs if num_reqs_padded is None else num_reqs_padded
+    toks_p = shape.num_tokens if num_tokens_padded is None else num_tokens_padded
+    if reqs_p < shape.num_reqs:
+        raise ValueError(f"num_reqs_padded = {reqs_p} is below num_reqs = {shape.num_reqs}")
+    if toks_p < shape.num_tokens:
+        raise ValueError(f"num_tokens_padded = {toks_p} is below num_tokens = "
+                         f"{shape.num_tokens}")
+    return reqs_p, toks_p
+
+
+def _check_draft_ids(sched: SchedulerOutput, draft_token_ids: np.ndarray | None) -> None:
     drafts = sched.num_draft_tokens
     if drafts is not None:
         want = int(drafts.sum())
@@ -220,15 +241,11 @@ def plan_batch(
     elif draft_token_ids is not None and len(draft_token_ids):
         raise ValueError("draft_token_ids given but sched.num_draft_tokens is None")
 
-    def make() -> BatchPlan:
-        size = sum(_packed_sizes(reqs_p, toks_p))
-        return BatchPlan(0, reqs_p, 0, toks_p, staging_buffer(size, torch.int32, state.device),
-                         True)
 
-    plan = make() if staging is None else staging.take((reqs_p, toks_p), make)
-    plan.num_reqs, plan.num_tokens = num_reqs, num_tokens
-    pending = state.num_pending_drafts_np  # the whole table first: no gather without drafts
-    plan.seq_lens_exact = not (pending.any() and pending[sched.req_slots].any())
+def _fill_plan(plan: BatchPlan, sched: SchedulerOutput, shape: BatchShape,
+               draft_token_ids: np.ndarray | None) -> None:
+    """Write the schedule into the plan's packed buffer (vectorized, no per-row loop)."""
+    num_reqs, num_tokens, toks_p = plan.num_reqs, plan.num_tokens, plan.num_tokens_padded
     flat = plan.packed_np
     flat[: flat.shape[0] - toks_p] = 0
     plan.draft_ids_np[:] = -1
@@ -246,13 +263,13 @@ def plan_batch(
         req_idx[:] = np.repeat(np.arange(num_reqs, dtype=np.int32), sched.num_scheduled_tokens)
         np.subtract(np.arange(num_tokens, dtype=np.int32), qsl[req_idx],
                     out=plan.token_offsets_np[:num_tokens])
+    drafts = sched.num_draft_tokens
     if drafts is not None:
         plan.num_draft_tokens_np[:num_reqs] = drafts
-        if draft_token_ids is not None and want:
+        if draft_token_ids is not None and drafts.any():
             off = plan.token_offsets_np[:num_tokens]
             is_draft = (off >= 1) & (off <= drafts[req_idx])
             plan.draft_ids_np[:num_tokens][is_draft] = draft_token_ids
-    return plan
 
 
 def assemble_tensors(packed: torch.Tensor, num_computed_tokens: torch.Tensor,

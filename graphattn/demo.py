@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
+from graphattn import GraphRunner, RunnerConfig, SamplingParams, StepOutput
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner, SamplingParams, StepOutput
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs
@@ -28,51 +28,89 @@ from graphattn.sync import count_host_syncs
 EOS = 0
 
 
+def _admit(runner: GraphRunner, rng: np.random.Generator, next_id: int,
+           limit: dict[str, int], produced: dict[str, list[int]]) -> int:
+    """Random arrivals into free slots: greedy and seeded-sampling requests in turn."""
+    state, vocab = runner.state, runner.vocab_size
+    while state.num_active < state.max_num_reqs and rng.random() < 0.5:
+        rid = f"req{next_id}"
+        params = SamplingParams() if next_id % 2 else SamplingParams(
+            temperature=0.8, top_k=50, seed=next_id)
+        runner.add_request(rid, rng.integers(1, vocab, int(rng.integers(4, 60))),
+                           sampling=params)
+        limit[rid], produced[rid] = int(rng.integers(4, 16)), []
+        next_id += 1
+    return next_id
+
+
+def _schedule(state: RequestState, token_budget: int) -> SchedulerOutput:
+    """Decodes first, then prompt chunks, under a token budget (vectorized)."""
+    slots = np.array(sorted(state.req_id_to_slot.values()), np.int32)
+    left = state.num_prompt_tokens_np[slots] - state.num_computed_tokens_np[slots]
+    order = np.argsort(left > 0, kind="stable")
+    slots, left = slots[order], left[order]
+    want = np.where(left > 0, left, 1)
+    room = np.maximum(token_budget - (np.cumsum(want) - want), 0)
+    take = np.minimum(want, room)
+    return SchedulerOutput(slots[take > 0], take[take > 0])
+
+
+def _collect(state: RequestState, pending: tuple[SchedulerOutput, StepOutput, list[str]],
+             limit: dict[str, int], produced: dict[str, list[int]],
+             finished: list[tuple[str, list[int], str]]) -> None:
+    """Read a step's tokens (one step late) and free requests at EOS or their limit."""
+    sched, out, ids = pending
+    tokens = out.sampled_host.wait()
+    done_prompt = (state.num_computed_tokens_np[sched.req_slots]
+                   >= state.num_prompt_tokens_np[sched.req_slots])
+    for rid, tok, ok in zip(ids, tokens.tolist(), done_prompt.tolist(), strict=True):
+        if not ok or rid not in state.req_id_to_slot or len(produced[rid]) >= limit[rid]:
+            continue
+        produced[rid].append(tok)
+        if tok == EOS or len(produced[rid]) >= limit[rid]:
+            state.remove_request(rid)
+            finished.append((rid, produced[rid], "eos" if tok == EOS else "limit"))
+
+
+def _make_runner(device: str, max_reqs: int) -> GraphRunner:
+    cfg = TinyConfig()
+    model = TinyDecoder(cfg).to(device)
+    state = RequestState(max_reqs, 256, 16, device)
+    model.allocate_caches(max_reqs * state.max_num_blocks_per_req, 16)
+    policy = BucketPolicy(capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64, 128),
+                          mixed_token_sizes=(32, 64))
+    runner = GraphRunner(model, state, RunnerConfig(policy=policy, sampling=True))
+    print(f"graphattn demo on {device}: TinyDecoder {cfg.num_layers}x{cfg.hidden_size}, "
+          f"{len(runner.dispatcher.all_keys())} graph keys "
+          f"({'CUDA graphs' if device == 'cuda' else 'no CUDA: each key runs eagerly'})")
+    return runner
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-reqs", type=int, default=6)
-    ap.add_argument("--token-budget", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=40, help="steps to run")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device (default: cuda when available)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of arrivals and weights")
+    ap.add_argument("--max-reqs", type=int, default=6, help="request slots")
+    ap.add_argument("--token-budget", type=int, default=48, help="tokens scheduled per step")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    cfg = TinyConfig()
-    model = TinyDecoder(cfg).to(args.device)
-    state = RequestState(args.max_reqs, 256, 16, args.device)
-    model.allocate_caches(args.max_reqs * state.max_num_blocks_per_req, 16)
-    policy = BucketPolicy(capture_sizes=(1, 2, 4, 8), length_boundaries=(32, 64, 128),
-                          mixed_token_sizes=(32, 64))
-    runner = GraphRunner(model, state, policy=policy, sampling=True)
-    print(f"graphattn demo on {args.device}: TinyDecoder {cfg.num_layers}x{cfg.hidden_size}, "
-          f"{len(runner.dispatcher.all_keys())} graph keys")
+    runner = _make_runner(args.device, args.max_reqs)
+    state = runner.state
     runner.capture()
-    print(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'bound max':>9}  {'key':<38} "
+    print(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'bound max':>9}  {'key (how it ran)':<48} "
           f"{'syncs':>5} {'host ms':>8}")
     limit: dict[str, int] = {}
     produced: dict[str, list[int]] = {}
     finished: list[tuple[str, list[int], str]] = []
-    pending: tuple[SchedulerOutput, StepOutput, list[str]] | None = None
+    pending = None
     next_id = total_syncs = 0
     t_all = time.perf_counter()
     for step in range(args.steps):
-        while state.num_active < state.max_num_reqs and rng.random() < 0.5:
-            rid = f"req{next_id}"
-            params = SamplingParams() if next_id % 2 else SamplingParams(
-                temperature=0.8, top_k=50, seed=next_id)
-            runner.add_request(rid, rng.integers(1, cfg.vocab_size, int(rng.integers(4, 60))),
-                               sampling=params)
-            limit[rid], produced[rid] = int(rng.integers(4, 16)), []
-            next_id += 1
-        slots = np.array(sorted(state.req_id_to_slot.values()), np.int32)
-        left = state.num_prompt_tokens_np[slots] - state.num_computed_tokens_np[slots]
-        order = np.argsort(left > 0, kind="stable")  # decodes first
-        slots, left = slots[order], left[order]
-        want = np.where(left > 0, left, 1)
-        room = np.maximum(args.token_budget - (np.cumsum(want) - want), 0)
-        take = np.minimum(want, room)
-        sched = SchedulerOutput(slots[take > 0], take[take > 0])
+        next_id = _admit(runner, rng, next_id, limit, produced)
+        sched = _schedule(state, args.token_budget)
         ids = {s: r for r, s in state.req_id_to_slot.items()}
         out = None
         if sched.num_reqs:
@@ -80,21 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             with count_host_syncs() as syncs:
                 out = runner.step(sched)  # launched before the previous step's tokens are read
             total_syncs += syncs.count
-            key = str(out.key) if out.key else "eager (no graph fits)"
+            ran = out.mode.value if args.device == "cuda" else "eager at its shapes"
+            how = f"{out.key} ({ran})" if out.key else "no key fits (eager)"
             print(f"{step:>4} {sched.num_reqs:>4} {sched.total_num_scheduled_tokens:>6} "
-                  f"{bound:>9}  {key:<38} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
-        if pending is not None:  # the previous step's tokens, read one step late
-            prev_sched, prev_out, prev_ids = pending
-            tokens = prev_out.sampled_host.wait()
-            done_prompt = (state.num_computed_tokens_np[prev_sched.req_slots]
-                           >= state.num_prompt_tokens_np[prev_sched.req_slots])
-            for rid, tok, ok in zip(prev_ids, tokens.tolist(), done_prompt.tolist(), strict=True):
-                if not ok or rid not in state.req_id_to_slot or len(produced[rid]) >= limit[rid]:
-                    continue
-                produced[rid].append(tok)
-                if tok == EOS or len(produced[rid]) >= limit[rid]:
-                    state.remove_request(rid)
-                    finished.append((rid, produced[rid], "eos" if tok == EOS else "limit"))
+                  f"{bound:>9}  {how:<48} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
+        if pending is not None:
+            _collect(state, pending, limit, produced, finished)
         pending = (sched, out, [ids[s] for s in sched.req_slots]) if out is not None else None
     if args.device == "cuda":
         torch.cuda.synchronize()

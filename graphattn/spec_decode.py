@@ -10,13 +10,16 @@ device by scheduled minus rejected. When the rejected counts reach the CPU
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
-from graphattn.checks import as_int32_array
+from graphattn.checks import INT32_MAX, as_int32_array
 from graphattn.state import RequestState, SchedulerOutput
 
-__all__ = ["FeedbackResult", "RejectionFeedback", "apply_rejections", "verify_schedule"]
+__all__ = ["FeedbackResult", "RejectionFeedback", "apply_rejections", "check_drafts",
+           "verify_schedule"]
 
 
 @dataclass(slots=True)
@@ -163,3 +166,68 @@ def apply_rejections(state: RequestState, feedback: RejectionFeedback) -> Feedba
     state.num_pending_drafts_np[slots[ok]] -= feedback.num_draft_tokens[ok]
     state.num_computed_tokens_np[slots[ok]] -= feedback.num_rejected_tokens[ok]
     return FeedbackResult(ok, stale, dup)
+
+
+def check_drafts(state: RequestState, sched: SchedulerOutput, draft_token_ids: Any,
+                 decode_query_len: int, vocab_size: int | None,
+                 has_proposer: bool) -> np.ndarray | torch.Tensor | None:
+    """A step's drafts, validated on the CPU before anything changes.
+
+    Parameters
+    ----------
+    state : RequestState
+    sched : SchedulerOutput
+    draft_token_ids : sequence of int, np.ndarray, torch.Tensor or None
+        Host ids of every row's drafts flattened in batch order, or an integer tensor
+        [num_reqs, decode_query_len - 1] on any device (read on the device only), or None
+        (the proposer drafts inside the step).
+    decode_query_len : int
+        The runner's 1 + drafts per decode row.
+    vocab_size : int, optional
+        Host ids must lie in [0, vocab_size).
+    has_proposer : bool
+
+    Returns
+    -------
+    np.ndarray or torch.Tensor or None
+        int32 host ids, the device tensor as given, or None (no drafts, or the proposer's).
+    """
+    if sched.num_draft_tokens is None or not sched.num_draft_tokens.any():
+        if draft_token_ids is not None and len(draft_token_ids):
+            raise ValueError("draft_token_ids given but the schedule has no num_draft_tokens")
+        return None
+    if decode_query_len < 2:
+        raise ValueError("drafts need a runner whose policy has decode_query_len > 1")
+    if draft_token_ids is None and not has_proposer:
+        raise ValueError("sched.num_draft_tokens > 0 needs draft_token_ids (or a runner "
+                         "built with a proposer)")
+    most = decode_query_len - 1
+    if sched.num_draft_tokens.max() > most:
+        raise ValueError(f"num_draft_tokens up to {sched.num_draft_tokens.max()}, expected "
+                         f"<= decode_query_len - 1 = {most}")
+    with_drafts = sched.num_draft_tokens > 0
+    slots = sched.req_slots
+    pre = state.num_computed_tokens_np[slots] < state.num_prompt_tokens_np[slots]
+    if (with_drafts & pre).any():
+        raise ValueError(f"slots {slots[with_drafts & pre].tolist()} have drafts before their "
+                         "prompt is computed")
+    if draft_token_ids is None:
+        return None
+    if isinstance(draft_token_ids, torch.Tensor) and (
+            draft_token_ids.device.type != "cpu" or draft_token_ids.dim() == 2):
+        return _check_draft_tensor(draft_token_ids, (sched.num_reqs, most), has_proposer)
+    hi = vocab_size - 1 if vocab_size else INT32_MAX
+    return as_int32_array("draft_token_ids", draft_token_ids, 0, hi)
+
+
+def _check_draft_tensor(drafts: torch.Tensor, want: tuple[int, int],
+                        has_proposer: bool) -> torch.Tensor:
+    if has_proposer:
+        raise ValueError("draft_token_ids as a device tensor needs a runner without a "
+                         "proposer (its proposer drafts rows given no host ids)")
+    integer = not (drafts.is_floating_point() or drafts.is_complex() or drafts.dtype == torch.bool)
+    if tuple(drafts.shape) != want or not integer:
+        raise ValueError(f"draft_token_ids as a tensor on {drafts.device} must be integer of "
+                         f"shape {want} (rows, decode_query_len - 1), got {drafts.dtype} "
+                         f"{tuple(drafts.shape)}")
+    return drafts

@@ -1,5 +1,5 @@
-"""Host-to-device copies from pinned staging memory, and `side_copy` (either direction) on a
-side stream, off the current stream."""
+"""Host <-> device transfers: pinned staging for inputs, `side_copy` on a side stream, and the
+rings and futures that bring a step's tokens to the host without blocking."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["CurrentStream", "StagingRing", "Uploader", "side_copy", "staging_buffer",
-           "to_device"]
+__all__ = ["CurrentStream", "OutputRing", "StagingRing", "TokenFuture", "Uploader", "side_copy",
+           "staging_buffer", "to_device"]
 
 T = TypeVar("T")
 
@@ -63,8 +63,7 @@ def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> t
 
 class CurrentStream:
     """The current CUDA stream of one device, looked up per call at a fraction of
-    ``torch.cuda.current_stream``'s cost (7.7 µs on the H200 box's host,
-    bench/results/host_api_probe_s9.json: most of it builds a new Stream object; this keeps
+    ``torch.cuda.current_stream``'s cost (most of which builds a new Stream object; this keeps
     one per stream id).
 
     Parameters
@@ -167,9 +166,9 @@ class Uploader:
 
     The host-to-device copy runs on a side stream into a ring of device buffers (one ring per
     shape and dtype), and the current stream only waits for it and copies device to device:
-    the host read's PCIe latency (9-13 µs on the H200 box, scripts/step_copies.py) overlaps
-    the current stream's earlier work (the previous step's graph) instead of stalling the
-    next. Off CUDA, or from a source that is not pinned, a plain non-blocking copy.
+    the host read's PCIe latency overlaps the current stream's earlier work (the previous
+    step's graph) instead of stalling the next. Off CUDA, or from a source that is not pinned,
+    a plain non-blocking copy.
 
     Parameters
     ----------
@@ -223,7 +222,7 @@ def side_copy(stream: torch.cuda.Stream, current: torch.cuda.Stream, after: Any,
     """``dst.copy_(src)`` (non-blocking) on `stream` once event `after` has run, then `done`
     recorded there; `current` is the stream to return to. The stream is switched directly,
     not by the ``torch.cuda.stream`` context manager, which queries the current stream twice
-    more (about 6-8 µs each on the H200 box's host, bench/results/host_api_probe_s9.json)."""
+    more."""
     device = torch._C._cuda_getDevice()
     stream.wait_event(after)
     _set_stream(stream)  # also makes the stream's device current
@@ -234,3 +233,90 @@ def side_copy(stream: torch.cuda.Stream, current: torch.cuda.Stream, after: Any,
         _set_stream(current)
         if device != current.device_index:
             torch.cuda.set_device(device)
+
+
+class TokenFuture:
+    """A step's sampled tokens on their way to the host.
+
+    On CUDA a non-blocking copy into a pinned ring slot followed by an event;
+    `wait()` blocks on that event alone (never on later steps). The slot is
+    reused `OutputRing.DEPTH` steps later: read a future before then (a later
+    read raises instead of returning another step's tokens). Elsewhere the copy
+    happens in `wait()`.
+    """
+
+    __slots__ = ("_src", "_ring", "_slot", "_version")
+
+    def __init__(self, src: torch.Tensor, ring: OutputRing | None = None, slot: int = 0,
+                 version: int = 0) -> None:
+        self._src, self._ring, self._slot, self._version = src, ring, slot, version
+
+    def ready(self) -> bool:
+        """True when `wait()` would not block."""
+        return self._ring is None or self._ring.events[self._slot].query()
+
+    def wait(self) -> np.ndarray:
+        """int64 [num_reqs] (or [num_reqs, width]) tokens (blocks until this step's copy has
+        landed)."""
+        if self._ring is None:
+            return self._src.to("cpu").numpy().astype(np.int64, copy=True)
+        if self._ring.versions[self._slot] != self._version:
+            raise RuntimeError(f"this step's tokens were overwritten: read a TokenFuture within "
+                               f"{OutputRing.DEPTH} steps")
+        self._ring.events[self._slot].synchronize()
+        return self._ring.host_np[self._slot][: self._src.shape[0]].copy()
+
+
+class OutputRing:
+    """Pinned host slots (CUDA) that a step's tokens are copied into without blocking
+    (`width` columns per row when given).
+
+    With a side `stream` the current stream copies the tokens into the slot's device buffer
+    (a device copy) and the host copy runs on `stream`, so the host memory's latency does not
+    hold up the next step on the current stream; without one the host copy runs on the
+    current stream.
+    """
+
+    DEPTH = 8
+
+    def __init__(self, max_num_reqs: int, device: torch.device, width: int | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        self.cuda = device.type == "cuda"
+        n = self.DEPTH if self.cuda else 0
+        shape = (max_num_reqs,) if width is None else (max_num_reqs, width)
+        self.host = [torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(n)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.device = [torch.zeros(shape, dtype=torch.int64, device=device)
+                       for _ in range(n if stream is not None else 0)]
+        self.events = [torch.cuda.Event() for _ in range(n)]
+        self.copied = [torch.cuda.Event() for _ in range(len(self.device))]
+        self.versions = [0] * n
+        self.stream = stream
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.i = 0
+
+    def push(self, values: torch.Tensor, current: torch.cuda.Stream | None = None
+             ) -> TokenFuture:
+        """Send `values` (a device tensor of at most max_num_reqs rows) to the host;
+        `current`: the current stream of its device, when the caller has it."""
+        if not self.cuda:
+            return TokenFuture(values)
+        i, self.i = self.i, (self.i + 1) % self.DEPTH
+        # the slot's previous copy (DEPTH steps ago) must have landed before it is reused;
+        # a loop that reads tokens a step late never waits here
+        self.events[i].synchronize()
+        self.versions[i] += 1
+        n = values.shape[0]
+        if current is None:
+            current = torch.cuda.current_stream(values.device)
+        if self.stream is None:
+            self.host[i][:n].copy_(values.long(), non_blocking=True)
+            self.events[i].record(current)
+            return TokenFuture(values, self, i, self.versions[i])
+        views = self._views.get((i, n))
+        if views is None:
+            views = self._views[i, n] = (self.device[i][:n], self.host[i][:n])
+        views[0].copy_(values)  # casts to int64 where needed
+        self.copied[i].record(current)
+        side_copy(self.stream, current, self.copied[i], views[1], views[0], self.events[i])
+        return TokenFuture(values, self, i, self.versions[i])

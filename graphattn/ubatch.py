@@ -71,28 +71,18 @@ def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) 
     return part - query_start_loc[request_slice.start]
 
 
-def make_metadata_with_slice(
-    ubatch_slice: UBatchSlice, attn_metadata: CommonAttentionMetadata
-) -> CommonAttentionMetadata:
-    """Metadata of one micro-batch.
-
-    A token range that starts inside the first request drops that request's
-    earlier query tokens (they run in the previous micro-batch; its length is
-    unchanged). One that ends inside the last request drops the later query
-    tokens and shortens that request's seq len and bound by as many. Trimmed
-    tensors are clones: `attn_metadata` is unchanged. Everything is computed
-    from CPU numbers and device ops, with no device read.
-    """
+def _sliced_query_starts(ubatch_slice: UBatchSlice, m: CommonAttentionMetadata,
+                         qsl_full: np.ndarray) -> tuple[np.ndarray, int]:
+    """The slice's query_start_loc on CPU and the end of its real tokens; ValueError for a
+    slice out of range, across later requests' tokens, or emptying one of its requests."""
     rs, re = ubatch_slice.request_slice.start, ubatch_slice.request_slice.stop
     ts, te = ubatch_slice.token_slice.start, ubatch_slice.token_slice.stop
-    m = attn_metadata
     if re > m.num_reqs:
         raise ValueError(f"request_slice {ubatch_slice.request_slice} out of range: "
                          f"metadata has {m.num_reqs} requests")
     if te > m.num_tokens_padded:
         raise ValueError(f"token_slice {ubatch_slice.token_slice} out of range: "
                          f"metadata has {m.num_tokens_padded} tokens")
-    qsl_full = m.query_start_loc_cpu.numpy()
     first_start, last_end = int(qsl_full[rs]), int(qsl_full[re])
     real_total = int(qsl_full[-1])
     # past last_end only padded tokens may follow (no real token of a later request)
@@ -112,6 +102,27 @@ def make_metadata_with_slice(
             f"{ubatch_slice.request_slice} with no query token (its tokens are "
             f"[{qsl_full[i]}, {qsl_full[i + 1]})): drop it from the request slice"
         )
+    return qsl_cpu, real_end
+
+
+def make_metadata_with_slice(
+    ubatch_slice: UBatchSlice, attn_metadata: CommonAttentionMetadata
+) -> CommonAttentionMetadata:
+    """Metadata of one micro-batch.
+
+    A token range that starts inside the first request drops that request's
+    earlier query tokens (they run in the previous micro-batch; its length is
+    unchanged). One that ends inside the last request drops the later query
+    tokens and shortens that request's seq len and bound by as many. Trimmed
+    tensors are clones: `attn_metadata` is unchanged. Everything is computed
+    from CPU numbers and device ops, with no device read.
+    """
+    rs, re = ubatch_slice.request_slice.start, ubatch_slice.request_slice.stop
+    ts, te = ubatch_slice.token_slice.start, ubatch_slice.token_slice.stop
+    m = attn_metadata
+    qsl_full = m.query_start_loc_cpu.numpy()
+    qsl_cpu, real_end = _sliced_query_starts(ubatch_slice, m, qsl_full)
+    last_end = int(qsl_full[re])
     qsl_dev = torch.clamp(m.query_start_loc[rs : re + 1], min=ts, max=max(real_end, ts)) - ts
     trim_last = max(last_end - real_end, 0) if re > rs else 0
 

@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# One GPU call on the lent H200: CUDA tests and/or benchmarks, everything under $OUT.
+# CUDA tests and/or benchmarks on a GPU machine, everything under $OUT.
 # Usage: bash scripts/gpu_run.sh PART [PART ...]
 #   tests          pytest -m cuda (cuda_tests.txt)
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
 #   flex-MODEL     python -m bench.flex_layouts: flex's per-row and packed layouts vs paged
-#   tune           scripts/tune_attention.py (launch configs of the Triton kernel; TUNE_ARGS)
+#   tune           python -m bench.tune_attention (launch configs of the Triton kernel; TUNE_ARGS)
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
-#   profile        scripts/kernel_profile.py, tiny 1/512 and 128/2048 (own processes;
+#   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
 #                  PROFILE_SHAPES="B:L ..."), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
-#   ab             scripts/config_ab.py (decode launch configs end to end, the peer around;
-#                  AB_ARGS)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -50,7 +48,7 @@ for part in "$@"; do
         --sizes "${SIZES:-1,8,32,128}" 2>&1 | tee "$OUT/flex_layouts_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     tune)
-      python3 scripts/tune_attention.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune_attention.txt"
+      python3 -m bench.tune_attention --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     serving)
       python3 -m bench.serving --device cuda --dtype "${SERVING_DTYPE:-bfloat16}" \
@@ -62,7 +60,7 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0])) ;;
     profile)
       for bl in ${PROFILE_SHAPES:-1:512 128:2048}; do
-        TORCH_LOGS=output_code python3 scripts/kernel_profile.py --batch "${bl%:*}" \
+        TORCH_LOGS=output_code python3 -m bench.kernel_profile --batch "${bl%:*}" \
           --length "${bl#*:}" --out "$OUT" 2> "$OUT/output_code_${bl/:/_}.txt" \
           | tee -a "$OUT/kernel_profile.txt"
         rc=$((rc | PIPESTATUS[0]))
@@ -73,9 +71,6 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0]))
       python3 -m bench.warm_start --device cuda --compile-threads 1 --out "$OUT" 2>&1 \
         | tee -a "$OUT/warm_start.txt"
-      rc=$((rc | PIPESTATUS[0])) ;;
-    ab)
-      python3 scripts/config_ab.py --out "$OUT" ${AB_ARGS:-} 2>&1 | tee -a "$OUT/config_ab.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac

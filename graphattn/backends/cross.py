@@ -8,9 +8,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from graphattn.backends.kernels import block_count, token_request_index, write_to_cache
 from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import check_key_fits
+from graphattn.backends.reference import block_count, token_request_index, write_to_cache
 from graphattn.backends.registry import BackendMetadata, PadValue
 from graphattn.checks import as_int32_array
 from graphattn.keys import GraphKey
@@ -178,7 +178,7 @@ class CrossAttentionImpl:
     scale : float, optional
         Default head_dim ** -0.5.
     kernel : {"auto", "triton", "varlen", "torch"}
-        See `graphattn.backends.ops`.
+        See `graphattn.backends.launch_config`.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,

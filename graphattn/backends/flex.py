@@ -33,14 +33,14 @@ from einops import rearrange
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from graphattn.backends.kernels import (
+from graphattn.backends.paged import PagedTensors, check_key_fits, paged_tensors
+from graphattn.backends.reference import (
     block_count,
     gather_paged,
     token_positions,
     token_request_index,
     write_to_cache,
 )
-from graphattn.backends.paged import PagedTensors, check_key_fits, paged_tensors
 from graphattn.buckets import LengthBuckets
 from graphattn.compile import BucketCompiler
 from graphattn.keys import GraphKey

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphattn.backends.kernels import (
-    gather_positions,
-    grouped_attention,
-    merge_attention,
-    token_request_index,
-    write_to_cache,
-)
 from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import (
     PagedAttentionBuilder,
     PagedAttentionMetadata,
     paged_tensors,
+)
+from graphattn.backends.reference import (
+    gather_positions,
+    grouped_attention,
+    merge_attention,
+    token_request_index,
+    write_to_cache,
 )
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -109,7 +109,7 @@ class MLAImpl:
     num_heads, kv_lora_rank, rope_dim : int
     scale : float
     kernel : str
-        Kernel of the decode rows (`graphattn.backends.ops`; the latent cache is
+        Kernel of the decode rows (`graphattn.backends.launch_config`; the latent cache is
         one KV head whose first kv_lora_rank dims are the values).
     """
 

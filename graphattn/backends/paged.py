@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
-from graphattn.backends.kernels import block_count
-from graphattn.backends.ops import KERNELS, fuse_rope_decode, kv_bounds
+from graphattn.backends.launch_config import KERNELS, fuse_rope_decode
+from graphattn.backends.ops import kv_bounds
+from graphattn.backends.reference import block_count
 from graphattn.backends.registry import BackendMetadata, PadValue
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -176,12 +177,12 @@ class PagedAttentionImpl:
     sinks : torch.Tensor, optional
         [num_heads] learned sink logits.
     kernel : {"auto", "triton", "varlen", "torch"}
-        See `graphattn.backends.ops`; "auto" is Triton on CUDA, torch elsewhere.
+        See `graphattn.backends.launch_config`; "auto" is Triton on CUDA, torch elsewhere.
     fuse_rope : bool, optional
         Whether `forward_qkv` on a batch of one-token decode rows runs
         ``torch.ops.graphattn.rope_paged_decode`` (rotation, K/V write and attention in one
         launch) or `rope_write_kv` then attention, as for every other batch. None: where it
-        is measured faster (`graphattn.backends.ops.fuse_rope_decode`).
+        pays (`graphattn.backends.launch_config.fuse_rope_decode`).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,

@@ -15,19 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphattn.backends.kernels import (
+from graphattn.backends.launch_config import KERNELS
+from graphattn.backends.ops import kv_bounds
+from graphattn.backends.paged import (
+    PagedAttentionBuilder,
+    PagedAttentionMetadata,
+    paged_tensors,
+)
+from graphattn.backends.reference import (
     block_count,
     cache_slots,
     gather_paged,
     token_positions,
     token_request_index,
     write_to_cache,
-)
-from graphattn.backends.ops import KERNELS, kv_bounds
-from graphattn.backends.paged import (
-    PagedAttentionBuilder,
-    PagedAttentionMetadata,
-    paged_tensors,
 )
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -136,7 +137,7 @@ class SparseIndexerImpl:
     topk : int
         Positions kept per query token.
     kernel : str
-        Attention kernel over the selection (`graphattn.backends.ops.KERNELS`).
+        Attention kernel over the selection (`graphattn.backends.launch_config.KERNELS`).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, topk: int,

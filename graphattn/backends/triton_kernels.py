@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention (CUDA only; imported lazily by `graphattn.backends.ops`).
+"""Triton kernels for paged attention (CUDA only; launched by `graphattn.backends.triton_launch`).
 
 One unified kernel serves decode, spec-decode verify and prefill rows in any
 mix: a program owns a tile of BLOCK_Q query tokens of one row times the G
@@ -53,7 +53,7 @@ def _cos_sin(ang):
     6.25 and 17 / 512 have 5 significant bits, so k times them and the first two differences
     are exact while k < 2**19, angles below 3e6), then the hardware approximations (abs error
     about 1e-6 there). libdevice's precise cos/sin keep a 32-byte stack per thread (their
-    Payne-Hanek branch; `scripts/triton_compile_check.py`)."""
+    Payne-Hanek branch; `python -m bench.triton_compile_check`)."""
     k = tl.floor(ang * 0.15915494309189535 + 0.5)
     x = tl.fma(k, -6.25, ang)
     x = tl.fma(k, -0.033203125, x)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
+from graphattn.backends.reference import allocate_kv_cache
 
 __all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported"]
 

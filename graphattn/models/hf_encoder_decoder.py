@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from graphattn.backends.cross import CrossAttentionImpl, cached_cross_metadata
-from graphattn.backends.kernels import allocate_kv_cache, write_to_cache
 from graphattn.backends.paged import PagedAttentionMetadata
+from graphattn.backends.reference import allocate_kv_cache, write_to_cache
 from graphattn.models.hf import ATTN_NAME, HFCausalLM
 
 __all__ = ["ENCODER_DECODER_SUPPORTED", "HFEncoderDecoder"]

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
+from graphattn.backends.reference import allocate_kv_cache
 from graphattn.backends.rope import apply_rope, cos_sin, inv_frequencies, rope, rope_cos_sin
 
 __all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from graphattn.capture.dispatcher import GraphKey
 from graphattn.compile import BucketCompiler, RecompileError
+from graphattn.keys import GraphKey
 
 
 def fwd(inputs, key):
@@ -44,8 +44,8 @@ def test_steady_state_block():
 
 
 def _kv_forward_setup(device):
-    from graphattn.backends.kernels import allocate_kv_cache
     from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
+    from graphattn.backends.reference import allocate_kv_cache
 
     impl = PagedAttentionImpl(4, 16, 2)
     caches = tuple(allocate_kv_cache(8, 4, 2, 16, torch.float32, device) for _ in range(2))
@@ -114,8 +114,8 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile():
     import numpy as np
     from torch._inductor.utils import run_and_get_code
 
+    from graphattn import GraphRunner, RunnerConfig
     from graphattn.buckets import BucketPolicy
-    from graphattn.capture.runner import GraphRunner
     from graphattn.models.tiny import TinyConfig, TinyDecoder
     from graphattn.state import RequestState, SchedulerOutput
 
@@ -124,8 +124,8 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile():
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2))
     st = RequestState(2, 32, 8)
     model.allocate_caches(8, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2,),
-                                                        length_boundaries=(16,)), compile=True)
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(2,),
+                                                        length_boundaries=(16,)), compile=True))
     report, codes = run_and_get_code(runner.capture, progress=False)
     assert report.num_graphs == 2 and runner.compiler.num_compiles == 1
     code = "\n".join(codes)

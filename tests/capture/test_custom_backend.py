@@ -9,10 +9,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.backends import BackendMetadata, BackendSpec, BuilderContext, register_backend
-from graphattn.backends.kernels import gather_positions, write_to_cache
+from graphattn.backends.reference import gather_positions, write_to_cache
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.keys import CaptureSupport, GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.models.tiny import TinyConfig, TinyDecoder
@@ -80,9 +80,8 @@ def test_out_of_tree_backend_runs_through_runner_and_capture():
     model = TinyDecoder(cfg, WindowImpl(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads)).double()
     st = RequestState(4, 64, 8)
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, "window_test",
-                         BucketPolicy(capture_sizes=(2, 4), length_boundaries=(32,),
-                                      mixed_token_sizes=(16,)))
+    runner = GraphRunner(model, st, RunnerConfig(backend="window_test", policy=BucketPolicy(
+        capture_sizes=(2, 4), length_boundaries=(32,), mixed_token_sizes=(16,))))
     assert isinstance(runner.builder, WindowBuilder)
     assert runner.capture(progress=False).num_graphs == 6
     prompts = {runner.add_request(f"r{i}", np.arange(3 + i) % 64): list(np.arange(3 + i) % 64)

@@ -5,8 +5,9 @@ import torch
 import torch.distributed as dist
 
 from graphattn.buckets import LengthBuckets
-from graphattn.capture.data_parallel import BatchShape, agree_on_shape, dispatch_across_ranks
-from graphattn.capture.dispatcher import GraphDispatcher, GraphKey
+from graphattn.capture.data_parallel import agree_on_shape, dispatch_across_ranks
+from graphattn.capture.dispatcher import GraphDispatcher
+from graphattn.keys import BatchShape, GraphKey
 from tests.helpers import spawn_two_ranks
 
 SHAPES = [BatchShape(3, 6, 40, True), BatchShape(5, 10, 20, True)]
@@ -41,11 +42,11 @@ def test_bad_shape():
 def _runner_worker(rank, port, out_dir):
     import numpy as np
 
+    from bench.workload import device_truth
+    from graphattn import GraphRunner, RunnerConfig
     from graphattn.buckets import BucketPolicy
-    from graphattn.capture.runner import GraphRunner
     from graphattn.models.tiny import TinyConfig, TinyDecoder
     from graphattn.state import RequestState, SchedulerOutput
-    from graphattn.workload import device_truth
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -53,8 +54,8 @@ def _runner_worker(rank, port, out_dir):
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1))
     st = RequestState(4, 64, 8)
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(
-        capture_sizes=(1, 2, 4), length_boundaries=(32,), mixed_token_sizes=(8, 16, 32)))
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
+        capture_sizes=(1, 2, 4), length_boundaries=(32,), mixed_token_sizes=(8, 16, 32))))
     runner.capture(progress=False)
     rng = np.random.default_rng(rank)
     keys, ok = [], True
@@ -86,16 +87,16 @@ def test_two_runner_ranks_run_the_same_key_every_step(tmp_path):
 def test_runner_step_runs_the_given_key():
     import numpy as np
 
+    from graphattn import GraphRunner, RunnerConfig
     from graphattn.buckets import BucketPolicy
-    from graphattn.capture.runner import GraphRunner
     from graphattn.models.tiny import TinyConfig, TinyDecoder
     from graphattn.state import RequestState, SchedulerOutput
 
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1))
     st = RequestState(4, 64, 8)
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2, 4),
-                                                        length_boundaries=(32,)))
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(2, 4),
+                                                        length_boundaries=(32,))))
     runner.capture(progress=False)
     a = runner.add_request("a", [1, 2, 3])
     runner.step(SchedulerOutput(np.array([a]), np.array([3])))

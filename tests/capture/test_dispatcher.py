@@ -1,7 +1,8 @@
 import pytest
 
 from graphattn.buckets import BucketPolicy, LengthBuckets, default_capture_sizes
-from graphattn.capture.dispatcher import CaptureSupport, GraphDispatcher, GraphKey
+from graphattn.capture.dispatcher import GraphDispatcher
+from graphattn.keys import CaptureSupport, GraphKey
 from graphattn.sync import no_host_sync
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from graphattn.capture.dispatcher import GraphKey
 from graphattn.capture.graphs import CUDAGraphManager, GraphNotCapturedError
+from graphattn.keys import GraphKey
 from graphattn.sync import no_host_sync
 
 

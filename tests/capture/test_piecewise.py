@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy, LengthBuckets
 from graphattn.capture.dispatcher import GraphDispatcher
-from graphattn.capture.runner import GraphRunner
 from graphattn.keys import CUDAGraphMode, GraphKey
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
@@ -23,7 +23,7 @@ def make(mode, device="cpu", dtype=torch.float64, layers=3, **policy):
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
     pol = BucketPolicy(**{"capture_sizes": (2, 4), "length_boundaries": (32, 64),
                           "piecewise_token_sizes": (16, 32, 64), **policy})
-    return model, st, GraphRunner(model, st, policy=pol, mode=mode)
+    return model, st, GraphRunner(model, st, RunnerConfig(policy=pol, cudagraph_mode=mode))
 
 
 def run(model, st, runner, steps, tol, device="cpu"):

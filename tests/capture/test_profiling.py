@@ -40,14 +40,14 @@ def test_disabled_and_unknown_stage():
 
 
 def test_runner_emits_every_stage():
-    from graphattn.capture.runner import BucketPolicy, GraphRunner
+    from graphattn import BucketPolicy, GraphRunner, RunnerConfig
     from graphattn.models.tiny import TinyConfig, TinyDecoder
     from graphattn.state import RequestState, SchedulerOutput
 
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32))
     st = RequestState(2, 32, 8)
     model.allocate_caches(8, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2,)),
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(2,))),
                          profiler=StageProfiler())
     runner.capture()
     runner.add_request("a", [1, 2])

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
+from graphattn import BucketPolicy, GraphRunner, RunnerConfig
 from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
 from graphattn.buckets import LengthBuckets
-from graphattn.capture.dispatcher import GraphKey
 from graphattn.capture.graphs import GraphNotCapturedError
-from graphattn.capture.runner import BucketPolicy, GraphRunner
+from graphattn.keys import GraphKey
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import count_host_syncs, no_host_sync
@@ -26,7 +26,8 @@ def make_runner(device="cpu", dtype=torch.float64, max_reqs=6, max_len=96, bs=8,
                                        mask_block_size=128 if device == "cuda" else 16)
     model = TinyDecoder(cfg, impl).to(device, dtype)
     model.allocate_caches(max_reqs * st.max_num_blocks_per_req, bs)
-    return model, st, GraphRunner(model, st, backend, pol, builder=builder)
+    return model, st, GraphRunner(model, st, RunnerConfig(backend=backend, policy=pol),
+                                  builder=builder)
 
 
 def drive(model, st, runner, steps, rng, tol, check_every=1, max_prompt=30, max_chunk=24):
@@ -131,12 +132,12 @@ def test_missing_graph_error_and_bad_config():
     runner.add_request("a", [1, 2, 3])
     with pytest.raises(GraphNotCapturedError, match="no graph captured"):
         runner.step(SchedulerOutput(np.array([0]), np.array([3])))
-    with pytest.raises(ValueError, match="unknown static inputs"):
-        GraphRunner(model, st, static_input_names=("input_ids", "pixels"))
+    with pytest.raises(ValueError, match="static_input_names = .*'pixels'.*expected a subset"):
+        GraphRunner(model, st, RunnerConfig(static_input_names=("input_ids", "pixels")))
     with pytest.raises(ValueError, match="backend 'cross'.*pass builder="):
-        GraphRunner(model, st, backend="cross")
+        GraphRunner(model, st, RunnerConfig(backend="cross"))
     with pytest.raises(ValueError, match="unknown backend 'pagd'"):
-        GraphRunner(model, st, backend="pagd")
+        GraphRunner(model, st, RunnerConfig(backend="pagd"))
     with pytest.raises(TypeError, match="has no build"):
         GraphRunner(model, st, builder=object())
     with pytest.raises(ValueError, match="decode_query_len = 0"):

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from bench.workload import device_truth
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.graphs import GraphNotCapturedError
 from graphattn.capture.profiling import StageProfiler
-from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
-from graphattn.workload import device_truth
 
 
 class Interrupt(Exception):
@@ -53,7 +53,8 @@ def make(policy=None, **kw):
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
     policy = policy or BucketPolicy(capture_sizes=(2, 4), length_boundaries=(32,),
                                     mixed_token_sizes=(16,))
-    return model, st, GraphRunner(model, st, policy=policy, **kw)
+    extra = {k: kw.pop(k) for k in ("profiler", "proposer", "builder", "dispatcher") if k in kw}
+    return model, st, GraphRunner(model, st, RunnerConfig(policy=policy, **kw), **extra)
 
 
 def test_interrupted_steps_leave_mirror_equal_to_truth():

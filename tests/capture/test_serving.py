@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from graphattn import GraphRunner, RunnerConfig, SamplingParams
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner, SamplingParams
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
@@ -17,9 +17,9 @@ def make(sampling=True, device="cpu", compile=False, overlap_copies=True):
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(device)
     st = RequestState(4, 64, 8, device)
     model.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2, 4),
-                                                        length_boundaries=(32,)),
-                         sampling=sampling, compile=compile, overlap_copies=overlap_copies)
+    runner = GraphRunner(model, st, RunnerConfig(
+        policy=BucketPolicy(capture_sizes=(2, 4), length_boundaries=(32,)), sampling=sampling,
+        compile=compile, overlap_copies=overlap_copies))
     return st, runner
 
 
@@ -57,8 +57,8 @@ def test_seeded_requests_draw_the_same_tokens_on_replay_and_eager(device, compil
 
 def test_greedy_runner_refuses_sampling_params():
     st, runner = make(sampling=False)
-    with pytest.raises(ValueError, match=r"samples greedily: build it with GraphRunner\(\.\.\., "
-                                         r"sampling=True\)"):
+    with pytest.raises(ValueError, match=r"samples greedily: build it with "
+                                         r"RunnerConfig\(sampling=True\)"):
         runner.add_request("a", [1, 2], sampling=SamplingParams(temperature=1.0))
     assert st.num_active == 0
     slot = runner.add_request("a", [1, 2])
@@ -72,9 +72,9 @@ def spec_runner(q, compile=False, device="cpu", proposer=None):
         device, torch.float64 if device == "cpu" else torch.float32)
     st = RequestState(2, 96, 8, device)
     model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(1, 2), length_boundaries=(32, 64), mixed_token_sizes=(16,),
-        decode_query_len=q), compile=compile, proposer=proposer)
+        decode_query_len=q), compile=compile), proposer=proposer)
     runner.capture(progress=False)
     return st, runner
 
@@ -153,13 +153,13 @@ def test_drafts_validated_and_stale_feedback_refused():
 @pytest.mark.cuda
 @pytest.mark.parametrize("overlap_copies", [True, False])
 def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot(overlap_copies):
-    from graphattn.capture.runner import _OutputRing
+    from graphattn.transfer import OutputRing
 
     st, runner = make(device="cuda", overlap_copies=overlap_copies)
     runner.capture(progress=False)
     a = runner.add_request("a", [1, 2, 3])
     outs = [runner.step(SchedulerOutput(np.array([a]), np.array([3])))]
-    for _ in range(_OutputRing.DEPTH + 1):
+    for _ in range(OutputRing.DEPTH + 1):
         with no_host_sync():
             outs.append(runner.step(SchedulerOutput(np.array([a]), np.array([1]))))
     assert outs[-1].sampled_host.wait().tolist() == outs[-1].sampled.tolist()
@@ -170,14 +170,14 @@ def test_token_futures_on_cuda_read_late_and_refuse_a_reused_slot(overlap_copies
 @pytest.mark.cuda
 @pytest.mark.parametrize("side_stream", [True, False])
 def test_output_ring_sends_each_step_its_own_tokens_behind_a_busy_stream(side_stream):
-    from graphattn.capture.runner import _OutputRing
+    from graphattn.transfer import OutputRing
 
-    ring = _OutputRing(6, torch.device("cuda"),
+    ring = OutputRing(6, torch.device("cuda"),
                        stream=torch.cuda.Stream() if side_stream else None)
     src = torch.zeros(6, dtype=torch.int32, device="cuda")
     futures = []
     with no_host_sync():
-        for k in range(_OutputRing.DEPTH - 1):
+        for k in range(OutputRing.DEPTH - 1):
             torch.cuda._sleep(200_000)  # the host copy waits on the current stream's work
             src.copy_(torch.arange(6, device="cuda") * (k + 1))
             futures.append(ring.push(src[: 3 + k % 3]))

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
+from bench.workload import SyntheticScheduler, WorkloadConfig, device_truth
 from graphattn.batch import prepare_inputs
 from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState
 from graphattn.sync import no_host_sync
 from graphattn.ubatch import maybe_create_ubatch_slices, split_attn_metadata
-from graphattn.workload import SyntheticScheduler, WorkloadConfig, device_truth
 
 CONFIGS = {
     "plain": WorkloadConfig(),

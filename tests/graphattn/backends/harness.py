@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bench.workload import SyntheticScheduler, WorkloadConfig
 from graphattn.batch import prepare_inputs
 from graphattn.metadata import build_common_metadata
 from graphattn.state import RequestState
-from graphattn.workload import SyntheticScheduler, WorkloadConfig
 
 
 def dense_attention(q, k, v, scale, window=0, softcap=0.0, sinks=None):

@@ -8,9 +8,9 @@ import torch
 from graphattn.backends import get_backend
 from graphattn.backends.cross import CrossAttentionBuilder
 from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
-from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.mla import MLABuilder
 from graphattn.backends.paged import PagedAttentionBuilder
+from graphattn.backends.reference import allocate_kv_cache
 from graphattn.backends.sparse_indexer import SparseIndexerBuilder
 from graphattn.batch import prepare_inputs
 from graphattn.buckets import LengthBuckets

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
+from bench.workload import WorkloadConfig
 from graphattn.backends.cross import CrossAttentionBuilder, CrossAttentionImpl
-from graphattn.backends.kernels import allocate_kv_cache
-from graphattn.capture.dispatcher import GraphKey
+from graphattn.backends.reference import allocate_kv_cache
+from graphattn.keys import GraphKey
 from graphattn.sync import no_host_sync
-from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario, dense_attention
 
 H, HKV, D, BS, MAXE = 4, 2, 8, 4, 24

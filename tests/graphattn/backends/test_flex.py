@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from bench.workload import WorkloadConfig
 from graphattn.backends.flex import (
     FlexAttentionBuilder,
     FlexAttentionImpl,
@@ -12,12 +13,11 @@ from graphattn.backends.flex import (
     block_mask_tensors,
     row_block_mask_tensors,
 )
-from graphattn.backends.kernels import allocate_kv_cache
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
+from graphattn.backends.reference import allocate_kv_cache
 from graphattn.buckets import LengthBuckets
 from graphattn.keys import GraphKey
 from graphattn.sync import no_host_sync
-from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario
 
 H, HKV, D, BS = 4, 2, 8, 8

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from graphattn.backends.kernels import allocate_kv_cache
+from bench.workload import WorkloadConfig
 from graphattn.backends.mla import MLABuilder, MLAImpl
-from graphattn.capture.dispatcher import GraphKey
+from graphattn.backends.reference import allocate_kv_cache
+from graphattn.keys import GraphKey
 from graphattn.sync import no_host_sync
-from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario
 
 H, LORA, ROPE, BS = 4, 12, 4, 4

@@ -5,12 +5,14 @@ split-KV; under no_host_sync, captured in CUDA graphs, and compiled without cach
 import pytest
 import torch
 
-from graphattn.backends import ops
-from graphattn.backends.kernels import allocate_kv_cache
-from graphattn.backends.ops import kv_bounds, resolve_kernel, split_plan
+from bench.workload import WorkloadConfig
+from graphattn.backends import launch_config, triton_launch
+from graphattn.backends.launch_config import TritonConfig, resolve_kernel, split_plan
+from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
+from graphattn.backends.reference import allocate_kv_cache, gather_paged_attention
+from graphattn.backends.triton_launch import triton_attention
 from graphattn.sync import no_host_sync
-from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario, dense_attention
 
 CFGS = {
@@ -318,7 +320,6 @@ def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
     """The output is allocated empty (no memset node): tiles write the padded tokens' zeros,
     unsplit or split (the merge launch writes them). The allocator is handed NaN-filled memory
     first."""
-    from graphattn.backends.ops import _triton_attention
 
     torch.manual_seed(0)
     rows, h, hkv, d, bs, nblk = 4, 8, 2, 64, 16, 4
@@ -329,15 +330,15 @@ def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
     seq = torch.tensor([9, 60, 0, 0], device="cuda", dtype=torch.int32)
     t = 4
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
-    ref = ops.gather_paged_attention(q.double(), kc.double(), vc.double(), qsl, seq, bt,
+    ref = gather_paged_attention(q.double(), kc.double(), vc.double(), qsl, seq, bt,
                                      torch.zeros(t, dtype=torch.int64, device="cuda"),
                                      d ** -0.5, 0, 1, nblk, 0, 0.0, None)
     for uniform, waves, pdl in ((1, 0, False), (0, 0, False), (1, 64, False), (1, 64, True),
                                 (0, 0, True)):
         poison = torch.full((t, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
         del poison
-        out = _triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, uniform, 64, 0, 0.0, None,
-                                config=ops.TritonConfig(block_n=16, waves=waves, pdl=pdl))
+        out = triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, uniform, 64, 0, 0.0, None,
+                                config=TritonConfig(block_n=16, waves=waves, pdl=pdl))
         assert out[2:].abs().sum().item() == 0 and out[:2].isfinite().all()
         torch.testing.assert_close(out[:2].double(), ref[:2], rtol=2e-2, atol=2e-2)
 
@@ -346,24 +347,23 @@ def test_triton_attention_writes_zeros_for_padded_tokens_without_a_fill():
 def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
     """Programmatic dependent launch (where the GPU and Triton have it): attention and merge
     launches chained in one graph, replayed with new device lengths, against float64."""
-    from graphattn.backends.ops import _triton_attention
 
-    if not ops.has_pdl(torch.cuda.current_device()):
+    if not launch_config.has_pdl(torch.cuda.current_device()):
         pytest.skip("no programmatic dependent launch here")
     torch.manual_seed(0)
     rows, d, bs, nblk = 3, 64, 16, 16
     kc, vc, bt, qsl, seq, q = decode_rows([5, 200, 77], nblk, d=d, bs=bs)
-    cfg = ops.TritonConfig(block_n=32, waves=8, pdl=True)
+    cfg = TritonConfig(block_n=32, waves=8, pdl=True)
 
     def step():
-        a = _triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, None,
+        a = triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, None,
                               config=cfg)
-        b = _triton_attention(a, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, None,
+        b = triton_attention(a, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, None,
                               config=cfg)  # reads what the previous launches wrote
         return a, b
 
     def reference(x):
-        return ops.gather_paged_attention(
+        return gather_paged_attention(
             x.double(), kc.double(), vc.double(), qsl, seq, bt,
             torch.zeros(rows, dtype=torch.int64, device="cuda"), d ** -0.5, rows, 1, nblk)
 
@@ -383,25 +383,24 @@ def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
 def test_decode_config_carries_pdl_and_splits_wider_below_96_programs():
     for programs in (1, 64, 255, 256, 791, 792, 4096):
         for pdl in (False, True):
-            assert ops.decode_config(programs, pdl).pdl is pdl
-    assert not ops.decode_config(64).pdl  # off unless the caller knows the device has it
+            assert launch_config.decode_config(programs, pdl).pdl is pdl
+    assert not launch_config.decode_config(64).pdl  # off unless the caller knows the device has it
     # fewer programs: more splits per row; the split brackets take the rotary embedding in
-    assert ops.decode_config(95).waves > ops.decode_config(96).waves == \
-        ops.decode_config(791).waves > ops.decode_config(792).waves
-    assert all(ops.decode_config(p).fuse_rope for p in (1, 31, 32, 95, 96, 791))
-    assert not ops.decode_config(792).fuse_rope
+    assert launch_config.decode_config(95).waves > launch_config.decode_config(96).waves == \
+        launch_config.decode_config(791).waves > launch_config.decode_config(792).waves
+    assert all(launch_config.decode_config(p).fuse_rope for p in (1, 31, 32, 95, 96, 791))
+    assert not launch_config.decode_config(792).fuse_rope
 
 
 @pytest.mark.cuda
 def test_triton_pdl_is_refused_where_the_device_lacks_it(monkeypatch):
-    from graphattn.backends.ops import _triton_attention
 
     kc, vc, bt, qsl, seq, q = decode_rows([5, 9], 2)
-    monkeypatch.setattr(ops, "has_pdl", lambda index: False)
+    monkeypatch.setattr(triton_launch, "has_pdl", lambda index: False)
     with pytest.raises(ValueError, match=r"TritonConfig.pdl = True needs programmatic "
                                          r"dependent launch"):
-        _triton_attention(q, kc, vc, qsl, seq, bt, 0.125, 1, 32, 0, 0.0, None,
-                          config=ops.TritonConfig(pdl=True))
+        triton_attention(q, kc, vc, qsl, seq, bt, 0.125, 1, 32, 0, 0.0, None,
+                          config=TritonConfig(pdl=True))
 
 
 def _decode_qkv_case(device, dtype, lens=(1, 37, 64, 13), h=8, hkv=2, d=32, bs=8, nblk=8,
@@ -439,7 +438,7 @@ def _decode_qkv_reference(case, h, hkv, window, softcap, sinks):
         .to(qkv.dtype).double()
     flat_v[slots[:rows]] = x[:rows, h + hkv:].to(qkv.dtype).double()
     sk = None if sinks is None else sinks.double().cpu()
-    out = ops.gather_paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, 1,
+    out = gather_paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, 1,
                                      bt.shape[1], window, softcap, sk)
     return out, kc, vc
 
@@ -456,8 +455,8 @@ def test_rope_paged_decode_matches_float64_reference(feature, device, dtype, spl
     launch + merge on CUDA, split or not): output, written slots and untouched slots against
     float64; on CUDA again from a captured graph replayed at new device lengths."""
     if not split:
-        monkeypatch.setattr(ops, "decode_config", lambda programs, pdl=False: ops.TritonConfig(
-            block_n=16, waves=0, pdl=pdl))
+        monkeypatch.setattr(triton_launch, "decode_config",
+                            lambda programs, pdl=False: TritonConfig(block_n=16, waves=0, pdl=pdl))
     h, hkv, nblk, bs = 8, 2, 8, 8
     feats = dict(FEATURES[feature])
     window, softcap = feats.get("window", 0), feats.get("softcap", 0.0)
@@ -521,7 +520,7 @@ def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(
     with pytest.raises(ValueError, match="fused rotary decode takes one-token rows and a "
                                          "power-of-two head_dim >= 16 for K and V; got query "
                                          "length 2, head_dim 32, V head_dim 32"):
-        ops._triton_attention(q, kc, vc, qsl, seq, bt, 0.2, 2, 64, 0, 0.0, None,
+        triton_attention(q, kc, vc, qsl, seq, bt, 0.2, 2, 64, 0, 0.0, None,
                               rope=(pos, inv, slots))
 
 
@@ -530,8 +529,9 @@ def test_fuse_rope_decode_where_few_programs_split_the_kv_axis(monkeypatch):
     1b model's shapes on a 132-multiprocessor GPU: 64 rows x 8 KV heads fill two waves
     unsplit); the op runs the two ops elsewhere, so the CPU always takes it."""
     cpu = torch.device("cpu")
-    assert ops.fuse_rope_decode(128, 8, 64, 2048, cpu)
-    monkeypatch.setattr(ops, "resolve_kernel", lambda kernel, device: "triton")
-    monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
-    picks = {rows: ops.fuse_rope_decode(rows, 8, 64, 702, cpu) for rows in (1, 8, 32, 64, 128)}
+    assert launch_config.fuse_rope_decode(128, 8, 64, 2048, cpu)
+    monkeypatch.setattr(launch_config, "resolve_kernel", lambda kernel, device: "triton")
+    monkeypatch.setattr(launch_config, "num_sms", lambda device: 132)
+    picks = {rows: launch_config.fuse_rope_decode(rows, 8, 64, 702, cpu)
+             for rows in (1, 8, 32, 64, 128)}
     assert picks == {1: True, 8: True, 32: True, 64: False, 128: False}

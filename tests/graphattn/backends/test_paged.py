@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from graphattn.backends.kernels import allocate_kv_cache
+from bench.workload import WorkloadConfig
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
-from graphattn.capture.dispatcher import GraphKey
+from graphattn.backends.reference import allocate_kv_cache
+from graphattn.keys import GraphKey
 from graphattn.sync import no_host_sync
 from graphattn.ubatch import maybe_create_ubatch_slices, split_attn_metadata
-from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario, dense_attention
 from tests.helpers import two_request_batch
 

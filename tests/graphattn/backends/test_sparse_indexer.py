@@ -2,16 +2,16 @@ import numpy as np
 import pytest
 import torch
 
-from graphattn.backends.kernels import allocate_kv_cache
+from bench.workload import WorkloadConfig
+from graphattn.backends.reference import allocate_kv_cache
 from graphattn.backends.sparse_indexer import (
     PrefillChunk,
     SparseIndexerBuilder,
     SparseIndexerImpl,
     plan_prefill_chunks,
 )
-from graphattn.capture.dispatcher import GraphKey
+from graphattn.keys import GraphKey
 from graphattn.sync import no_host_sync
-from graphattn.workload import WorkloadConfig
 from tests.graphattn.backends.harness import Scenario, dense_attention
 
 H, HKV, D, HI, DI, BS, TOPK = 4, 2, 8, 2, 6, 4, 6

@@ -31,7 +31,7 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
 def main() -> None:
     import torch
 
-    from graphattn.backends import ops
+    from graphattn.backends import launch_config, triton_launch
     from tests.graphattn.backends import test_ops as t
     from tests.graphattn.backends import test_sparse_indexer as ts
 
@@ -55,13 +55,16 @@ def main() -> None:
     # (the reduction to [-pi, pi] before them still runs)
     triton_kernels.libdevice = SimpleNamespace(fast_cosf=lambda x: tl.cos(x),
                                                fast_sinf=lambda x: tl.sin(x))
-    resolve = ops.resolve_kernel
-    # CPU tensors through the Triton path: the device questions answered for a CPU
-    ops.resolve_kernel = lambda kernel, device: "triton" if kernel == "triton" else resolve(
-        kernel, device)
-    ops._device_index = lambda device: 0
-    ops.has_pdl = lambda index: False
-    ops._num_sms = lambda device: 8
+    resolve = launch_config.resolve_kernel
+    # CPU tensors through the Triton path: the device questions answered for a CPU (in the
+    # modules that ask them; this runs in its own process)
+    from graphattn.backends import ops
+
+    ops.resolve_kernel = launch_config.resolve_kernel = (
+        lambda kernel, device: "triton" if kernel == "triton" else resolve(kernel, device))
+    triton_launch.device_index = lambda device: 0
+    triton_launch.has_pdl = lambda index: False
+    launch_config.num_sms = lambda device: 8
     for name in ("mixed", "decode", "spec_async"):
         for feature in sorted(t.FEATURES):
             t.run_steps(name, t.FEATURES[feature], "cpu", "triton", torch.float32, steps=3,
@@ -76,9 +79,9 @@ def main() -> None:
             ref, kref, vref = t._decode_qkv_reference(case, h, hkv, f.get("window", 0),
                                                       f.get("softcap", 0.0), sinks)
             q = qkv.view(qkv.shape[0], h + 2 * hkv, -1)[:, :h]
-            out = ops._triton_attention(q, kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64,
+            out = triton_launch.triton_attention(q, kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64,
                                         f.get("window", 0), f.get("softcap", 0.0), sinks,
-                                        config=ops.TritonConfig(block_n=16, waves=waves),
+                                        config=launch_config.TritonConfig(block_n=16, waves=waves),
                                         rope=(pos, inv, slots))
             rows = bt.shape[0]
             torch.testing.assert_close(out[:rows].double(), ref[:rows], rtol=1e-4, atol=1e-4)

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from graphattn.capture.runner import BucketPolicy, GraphRunner
+from graphattn import BucketPolicy, CompileConfig, GraphRunner, RunnerConfig
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
 
 transformers = pytest.importorskip("transformers")
 
 
-def make(device, dtype):
+def make(device, dtype, compile=False):
     from graphattn.models.hf import HFCausalLM
 
     torch.manual_seed(0)
@@ -23,11 +23,12 @@ def make(device, dtype):
     hf = HFCausalLM(copy.deepcopy(ref))
     st = RequestState(4, 64, 8, device)
     hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    return ref, GraphRunner(hf, st, policy=BucketPolicy(capture_sizes=(1, 2, 4))), st
+    return ref, GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(1, 2, 4)),
+                                                 compile=compile)), st
 
 
-def run(device, dtype, tol):
-    ref, runner, st = make(device, dtype)
+def run(device, dtype, tol, compile=False):
+    ref, runner, st = make(device, dtype, compile)
     report = runner.capture()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (5, 11, 3)]
@@ -67,4 +68,26 @@ def test_llama_matches_own_generation_on_cpu():
 def test_llama_cuda_graphs_match_own_generation():
     torch.cuda.set_sync_debug_mode(0)
     report, keys = run("cuda", torch.float32, dict(rtol=2e-3, atol=2e-3))
+    assert report.num_graphs > 0 and sum(k is not None for k in keys) >= 6
+
+
+def test_compiled_llama_compiles_before_the_recorded_run_on_cpu():
+    """The wrapper's first call creates its attention impls (a side effect the compiled step
+    then guards on), so the second call recompiles: both happen in the warm-up runs, none in
+    the run that stands for the recorded one (a compile there raises RecompileError), and the
+    compiled steps still match the model's own generate()."""
+    report, keys = run("cpu", torch.float32, dict(rtol=1e-4, atol=1e-4),
+                       CompileConfig(enabled=True, backend="eager"))
+    assert report.num_graphs > 0 and keys[-1] is not None
+
+
+@pytest.mark.cuda
+def test_compiled_llama_captures_with_inductor_autotuning_on_cuda():
+    """compile=True around a wrapped transformers model on CUDA, with inductor benchmarking
+    several configs of its kernels at their first launch (max_autotune_pointwise): every
+    compile and every autotuning runs before capture (a synchronize inside a stream capture
+    would fail), and the replayed graphs match the model's own generate()."""
+    torch.cuda.set_sync_debug_mode(0)
+    cfg = CompileConfig(enabled=True, options={"max_autotune_pointwise": True})
+    report, keys = run("cuda", torch.float32, dict(rtol=2e-3, atol=2e-3), cfg)
     assert report.num_graphs > 0 and sum(k is not None for k in keys) >= 6

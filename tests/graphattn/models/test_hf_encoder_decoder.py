@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
 
@@ -48,8 +48,8 @@ def runner_of(model, device="cpu"):
     wrapped = HFEncoderDecoder(model, max_num_reqs=4)
     st = RequestState(4, 64, 8, device)
     wrapped.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(wrapped, st, policy=BucketPolicy(capture_sizes=(4,),
-                                                          length_boundaries=(32,)))
+    runner = GraphRunner(wrapped, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(4,),
+                                                          length_boundaries=(32,))))
     runner.capture(progress=False)
     return runner, st
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
 
@@ -74,8 +74,8 @@ def test_family_matches_own_generate(family):
     hf = HFCausalLM(model)  # the user's model itself, no copy
     st = RequestState(4, 64, 8)
     hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(hf, st, policy=BucketPolicy(capture_sizes=(4,),
-                                                     length_boundaries=(32,)))
+    runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(4,),
+                                                     length_boundaries=(32,))))
     runner.capture(progress=False)
     slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
     got = [[] for _ in prompts]
@@ -125,7 +125,8 @@ def test_family_under_cuda_graphs_with_no_host_sync(family):
     hf = HFCausalLM(model)
     st = RequestState(4, 64, 8, "cuda")
     hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(hf, st, policy=BucketPolicy(capture_sizes=(4,), length_boundaries=(32,)))
+    runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(4,),
+                                                                 length_boundaries=(32,))))
     report = runner.capture(progress=False)
     assert report.num_graphs > 0
     rng = np.random.default_rng(1)

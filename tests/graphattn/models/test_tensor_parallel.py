@@ -8,8 +8,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
-from graphattn.capture.runner import GraphRunner
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
 from tests.helpers import spawn_two_ranks
@@ -21,9 +21,9 @@ CFG = TinyConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=8, num_k
 def _runner(model):
     st = RequestState(3, 64, 8)
     model.allocate_caches(3 * st.max_num_blocks_per_req, 8)
-    runner = GraphRunner(model, st, policy=BucketPolicy(capture_sizes=(2, 4),
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(2, 4),
                                                         length_boundaries=(32,),
-                                                        mixed_token_sizes=(16,)))
+                                                        mixed_token_sizes=(16,))))
     runner.capture(progress=False)
     return runner
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphattn.backends.ops import TritonConfig, _triton_attention
+from graphattn.backends.launch_config import TritonConfig
+from graphattn.backends.triton_launch import triton_attention
 
 SHAPES = {"tiny": (16, 4, 64), "1b": (32, 8, 64)}
 
@@ -90,7 +91,7 @@ def main():
                     continue
                 try:
                     bound = 1 << (length + 86).bit_length() if args.bucket else nblk * bs
-                    us = time_us([functools.partial(_triton_attention, q, kc, vc, qsl, seq,
+                    us = time_us([functools.partial(triton_attention, q, kc, vc, qsl, seq,
                                                     bt, d ** -0.5, 1, bound, 0, 0.0, None, cfg)
                                   for kc, vc in caches])
                 except Exception as e:  # noqa: BLE001 - a config that does not compile

@@ -131,6 +131,20 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, key_hi: torch.Tensor,
+                   key_lo: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """Scaled (soft-capped) scores [B, Hkv, G, N, L], -inf outside each query's key window."""
+    qg = rearrange(q, "b n (k g) d -> b k g n d", k=k.shape[2])
+    scores = torch.einsum("bkgnd,blkd->bkgnl", qg, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(k.shape[1], device=q.device)
+    mask = pos < key_hi.unsqueeze(-1)
+    if key_lo is not None:
+        mask &= pos >= key_lo.unsqueeze(-1)
+    return scores.masked_fill(~mask[:, None, None], float("-inf"))
+
+
 def grouped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -175,17 +189,8 @@ def grouped_attention(
     if h % hkv:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {hkv}")
     cdt = _compute_dtype(q)
-    scale = d ** -0.5 if scale is None else scale
-    qg = rearrange(q.to(cdt), "b n (k g) d -> b k g n d", k=hkv)
-    scores = torch.einsum("bkgnd,blkd->bkgnl", qg, k.to(cdt)) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    pos = torch.arange(k.shape[1], device=q.device)
-    mask = pos < key_hi.unsqueeze(-1)
-    if key_lo is not None:
-        mask &= pos >= key_lo.unsqueeze(-1)
-    mask = mask[:, None, None]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = _masked_scores(q.to(cdt), k.to(cdt), key_hi, key_lo,
+                            d ** -0.5 if scale is None else scale, softcap)
     m = scores.amax(-1, keepdim=True)
     sink = None
     if sinks is not None:
@@ -222,3 +227,43 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
         total.clamp_min(torch.finfo(cdt).tiny).unsqueeze(-1)
     )
     return out.to(out_a.dtype), m + torch.log(total)
+
+
+def gather_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                           num_decodes: int, decode_query_len: int, num_kv_blocks: int,
+                           window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch paged attention (reference and CPU path); see `paged_attention`."""
+    t_total = q.shape[0]
+    nd, qd, nb = num_decodes, decode_query_len, num_kv_blocks
+    ndt = nd * qd
+    extra = dict(scale=scale, softcap=softcap, sinks=sinks)
+    outs = []
+    if nd:
+        kc = gather_paged(k_cache, block_table[:nd], nb)
+        vc = gather_paged(v_cache, block_table[:nd], nb)
+        j = torch.arange(qd, device=q.device)
+        hi = (seq_lens[:nd, None] - qd + 1 + j).clamp_(min=0)
+        lo = (hi - window).clamp_(min=0) if window > 0 else None
+        o, _ = grouped_attention(q[:ndt].reshape(nd, qd, *q.shape[1:]), kc, vc, hi, lo, **extra)
+        outs.append(o.reshape(ndt, q.shape[1], v_cache.shape[-1]))
+    rows = block_table.shape[0] - nd
+    if t_total > ndt:
+        if rows == 0:
+            outs.append(q.new_zeros(t_total - ndt, q.shape[1], v_cache.shape[-1]))
+        else:
+            qsl = query_start_loc[nd:] - ndt
+            req = token_request_index(qsl, t_total - ndt)
+            pos = token_positions(qsl, seq_lens[nd:], req)
+            valid = slot_mapping[ndt:t_total] >= 0
+            hi = torch.where(valid, pos + 1, torch.zeros_like(pos))
+            lo = (hi - window).clamp_(min=0).unsqueeze(1) if window > 0 else None
+            kc = gather_paged(k_cache, block_table[nd:], nb)[req]
+            vc = gather_paged(v_cache, block_table[nd:], nb)[req]
+            o, _ = grouped_attention(q[ndt:].unsqueeze(1), kc, vc, hi.unsqueeze(1), lo, **extra)
+            outs.append(o.squeeze(1))
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]

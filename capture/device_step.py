@@ -1,0 +1,233 @@
+"""The device side of a runner step, from its packed buffer (capturable).
+
+Prepare's device half, the metadata build (a key fixes the plan), the forward, sampling,
+speculative verification, token write-back and the device truth's advance: one function
+that `graphattn.capture.graphs` captures per key, or inductor compiles per batch shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphattn.backends import AttentionBuilder
+from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors
+from graphattn.capture.piecewise import PiecewiseCompiler
+from graphattn.capture.profiling import StageProfiler
+from graphattn.compile import BucketCompiler
+from graphattn.config import CompileConfig
+from graphattn.keys import GraphKey
+from graphattn.metadata import build_common_metadata
+from graphattn.proposer import DraftProposer
+from graphattn.sampling import SamplingTable
+from graphattn.state import RequestState
+
+__all__ = ["DeviceStep", "ModelForward", "StepTensors"]
+
+# forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
+ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
+# logits, sampled, logprobs (or None), rejected, emitted: see DeviceStep.__call__
+StepTensors = tuple[torch.Tensor | None, ...]
+
+
+class DeviceStep:
+    """Everything a step does on the device, and the device buffers it owns.
+
+    Parameters
+    ----------
+    forward : ModelForward
+    state : RequestState
+    builder : AttentionBuilder
+    decode_query_len : int
+        1 + drafts per decode row (the dispatcher's).
+    static_input_names : sequence of str
+        What `forward` reads from its `inputs`.
+    compile : CompileConfig
+    vocab_size : int, optional
+        Drafts at or past it count as rejected.
+    sampler : SamplingTable, optional
+        Per-slot sampling parameters (None: greedy, no logprobs).
+    proposer : DraftProposer, optional
+        Drafts inside the step for rows given none.
+    piecewise : PiecewiseCompiler, optional
+        The split forward of piecewise keys.
+    profiler : StageProfiler
+
+    Attributes
+    ----------
+    token_ids : torch.Tensor
+        int64 [max_num_reqs, max_model_len + 1]: each slot's prompt and sampled tokens;
+        the spare last column takes the writes of padded rows and unfinished prefills.
+    prompt_lens : torch.Tensor
+        int32 [max_num_reqs].
+    slot_drafts : torch.Tensor
+        int64 [max_num_reqs, max(decode_query_len - 1, 1)]: drafts given as a device
+        tensor, waiting by slot until the step reads them.
+    advanced : bool
+        The last call enqueued its device work (the truth's advance included).
+    """
+
+    def __init__(self, forward: ModelForward, state: RequestState, builder: AttentionBuilder,
+                 decode_query_len: int, static_input_names: Sequence[str],
+                 compile: CompileConfig, vocab_size: int | None,
+                 sampler: SamplingTable | None, proposer: DraftProposer | None,
+                 piecewise: PiecewiseCompiler | None, profiler: StageProfiler) -> None:
+        self.forward, self.state, self.builder = forward, state, builder
+        self.decode_query_len = decode_query_len
+        self.static_input_names = tuple(static_input_names)
+        self.vocab_size, self.sampler, self.proposer = vocab_size, sampler, proposer
+        self.piecewise, self.profiler = piecewise, profiler
+        self.compiler = self.assembler = None
+        if compile.enabled:
+            kw = dict(backend=compile.backend, max_compiles=compile.max_compiles,
+                      fullgraph=compile.fullgraph,
+                      options=compile.inductor_options() if compile.backend == "inductor"
+                      else None)
+            self.compiler = BucketCompiler(self._run_compiled, **kw)
+            self.assembler = BucketCompiler(assemble_tensors, **kw)
+        self.advanced = False
+        dev = state.device
+        self.slot_drafts = torch.full((state.max_num_reqs, max(decode_query_len - 1, 1)), -1,
+                                      dtype=torch.int64, device=dev)
+        self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
+                                     dtype=torch.int64, device=dev)
+        self.prompt_lens = torch.zeros(state.max_num_reqs, dtype=torch.int32, device=dev)
+
+    def compilers(self) -> list[BucketCompiler]:
+        """The compilers of this step (none unless compiled)."""
+        return [c for c in (self.compiler, self.assembler) if c is not None]
+
+    def __call__(self, packed: torch.Tensor, plan: BatchPlan, key: GraphKey | None,
+                 piecewise: bool = False) -> StepTensors:
+        """Run the step on the device (capturable).
+
+        Only `plan`'s padded sizes shape the recorded work, so one capture serves every
+        live batch of its key; padded rows write into the spare column and advance by 0.
+        Verification (keys whose rows may carry drafts): the target's token at every query
+        position is sampled; a row accepts its drafts up to the first one that differs from
+        the target's token there (greedy match, or sample-and-match for sampled rows:
+        exact rejection sampling for a draft given as a token), its output is the target's
+        token after the accepted drafts, and its truth advances by 1 + accepted.
+        `piecewise`: the forward runs as the split pieces around eager attention.
+
+        Returns
+        -------
+        logits : [num_reqs_padded, vocab] at each row's output position;
+        sampled : int64 [num_reqs_padded]; logprobs : float32 [num_reqs_padded] (None
+        without a sampler); rejected : int32 [num_reqs_padded];
+        emitted : int64 [num_reqs_padded, decode_query_len] (`StepOutput.emitted_host`)
+        """
+        compiled = self.compiler is not None and key is not None and not piecewise
+        batch = assemble_batch(self.state, plan, packed,
+                               self.assembler if compiled else assemble_tensors)
+        with self.profiler.range("build", key):
+            meta = self.builder.build(build_common_metadata(batch), key)
+        spec = self.decode_query_len > 1 and (
+            key is None or not key.uniform_decode or key.query_len > 1)
+        # one token per row, row r's at index r: the logits need no gather
+        single = (key is not None and key.uniform_decode
+                  and key.num_tokens_padded == key.num_reqs_padded)
+        if compiled:
+            outs = self.compiler(batch, meta, spec, single)
+        else:
+            outs = self._run(batch, meta, spec, single,
+                             self.piecewise if piecewise else self.forward)
+        self.advanced = True
+        return outs
+
+    def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
+                      single: bool) -> StepTensors:
+        return self._run(batch, meta, spec, single, self.forward)
+
+    def _run(self, batch: InputBatch, meta: Any, spec: bool, single: bool,
+             forward: Callable[..., torch.Tensor]) -> StepTensors:
+        """Token ids in, forward, sampling or verification, write-back and the truth's
+        advance (pure device work). `single`: every row has one token, row r's at index r,
+        so the logits are the forward's own rows (no gather)."""
+        ids = self.token_ids[batch.token_slots, batch.positions]
+        if spec:
+            ids = self._with_drafts(batch, ids)
+        inputs = {"input_ids": ids, "positions": batch.positions, "req_slots": batch.req_slots}
+        logits_all = forward({n: inputs[n] for n in self.static_input_names}, meta)
+        seq = batch.seq_lens.long()
+        if spec:
+            logits, sampled, logprobs, rejected, emitted = self._verify(batch, ids, logits_all)
+            seq = seq - rejected
+        else:
+            qsl = batch.query_start_loc
+            logits = logits_all[: qsl.shape[0] - 1] if single else logits_all[
+                (qsl[1:].long() - 1).clamp(min=0)]
+            sampled, logprobs = self._sample(logits, batch.req_slots, seq)
+            # no row of a plain step carries drafts (num_drafts is 0 throughout), so none is
+            # rejected: the input itself, not a fill launched per step
+            rejected = batch.num_drafts
+            width = self.decode_query_len
+            emitted = sampled[:, None] if width == 1 else torch.cat(
+                [sampled[:, None], sampled.new_full((sampled.shape[0], width - 1), -1)], 1)
+        st = self.state
+        done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
+        col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
+        self.token_ids[batch.req_slots, col] = sampled
+        st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
+        return logits, sampled, logprobs, rejected, emitted
+
+    def _offsets(self, batch: InputBatch, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's row and offset in it."""
+        rows = batch.req_indices
+        return rows, torch.arange(t, device=batch.positions.device) - batch.query_start_loc.long(
+        )[rows]
+
+    def _with_drafts(self, batch: InputBatch, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` with each row's drafts in place: the host's (in the packed buffer), else
+        the proposer's, else those a device tensor left in `slot_drafts` (ids outside the
+        vocabulary count as no draft); drafts are written to the token buffer."""
+        t, k = ids.shape[0], self.decode_query_len - 1
+        rows, offset = self._offsets(batch, t)
+        drafts = batch.draft_ids.long()
+        if self.proposer is not None:
+            qsl = batch.query_start_loc.long()
+            last = batch.positions[qsl[:-1].clamp(max=max(t - 1, 0))]
+            source = self.proposer.propose(self.token_ids, batch.req_slots, last, k)
+        else:
+            source = self.slot_drafts[batch.req_slots]
+        wanted = (offset >= 1) & (offset <= batch.num_drafts.long()[rows]) & (drafts < 0)
+        drafts = torch.where(wanted, source[rows, (offset - 1).clamp(0, k - 1)], drafts)
+        if self.vocab_size:
+            drafts = torch.where(drafts < self.vocab_size, drafts, -1)
+        is_draft = drafts >= 0
+        ids = torch.where(is_draft, drafts, ids)
+        col = torch.where(is_draft, batch.positions, self.state.max_model_len)
+        self.token_ids[batch.token_slots, col] = ids  # non-draft tokens: the spare column
+        return ids
+
+    def _verify(self, batch: InputBatch, ids: torch.Tensor,
+                logits_all: torch.Tensor) -> StepTensors:
+        """Accept each row's drafts up to the first the target disagrees with."""
+        t, width = ids.shape[0], self.decode_query_len
+        rows, offset = self._offsets(batch, t)
+        qsl = batch.query_start_loc.long()
+        num_drafts = batch.num_drafts.long()
+        target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
+        nxt = torch.cat([ids[1:], ids.new_full((1,), -1)])
+        bad = (offset < num_drafts[rows]) & (target != nxt)
+        first_bad = torch.full_like(num_drafts, t).scatter_reduce(
+            0, rows, torch.where(bad, offset, t), "amin")
+        accepted = torch.minimum(first_bad, num_drafts)
+        rejected = (num_drafts - accepted).to(torch.int32)
+        # a row's output follows its accepted drafts: its last token minus the rejected
+        out_idx = (qsl[1:] - 1 - rejected).clamp(min=0)
+        logprobs = None if lp_all is None else lp_all[out_idx]
+        # a row emits its accepted drafts (equal to the target there), then `sampled`
+        j = torch.arange(width, device=ids.device)
+        at = (qsl[:-1, None] + batch.num_scheduled.long()[:, None] - 1
+              - num_drafts[:, None] + j).clamp(0, max(t - 1, 0))
+        emitted = torch.where(j <= accepted[:, None], target[at], -1)
+        return logits_all[out_idx], target[out_idx], logprobs, rejected, emitted
+
+    def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.sampler is None:  # greedy, no log-probabilities
+            return logits.argmax(-1), None
+        return self.sampler.sample(logits, slots, positions)

@@ -1,0 +1,203 @@
+"""Kernel choice and launch configs, from CPU numbers only.
+
+Kernels, chosen per call from the device and the op's `kernel` argument (a CPU string):
+
+- ``"triton"``: `graphattn.backends.triton_kernels` (CUDA; Triton ships with every CUDA
+  build of torch and is imported on first use).
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` with ``block_table`` and
+  ``seqused_k`` where the installed torch has them (feature-detected).
+- ``"torch"``: the plain-torch path of `graphattn.backends.reference`, the float64-capable
+  reference and the CPU path.
+- ``"auto"``: triton on CUDA when Triton imports, else torch.
+
+A launch config is a value (`TritonConfig`): `decode_config` and `PREFILL_CONFIG` are the
+defaults, and `graphattn.backends.triton_launch.triton_attention` takes another one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config", "device_index",
+           "fuse_rope_decode", "has_pdl", "has_triton", "has_varlen_paged", "num_sms", "pow2",
+           "resolve_kernel", "rope_fusable", "split_plan", "tiles"]
+
+KERNELS = ("auto", "triton", "varlen", "torch")
+
+
+@dataclass(frozen=True, slots=True)
+class TritonConfig:
+    """Launch parameters of the unified kernel (`python -m bench.tune_attention` times them).
+
+    Attributes
+    ----------
+    block_n : int
+        Keys per inner-loop tile.
+    num_warps, num_stages : int
+    waves : int
+        Split-KV target: programs >= waves x multiprocessors (uniform decode keys only;
+        0: never split).
+    pdl : bool
+        Programmatic dependent launch of the attention and merge kernels (refused where
+        `has_pdl` is False): a launch may overlap the previous kernel's tail, and every
+        program waits for that kernel (``griddepcontrol.wait``) before it touches memory.
+        `decode_config` turns it on where the device has it.
+    fuse_rope : bool
+        One-token decode launches of this config may take the rotary embedding and the
+        K/V write in (`rope_paged_decode`; see `fuse_rope_decode`).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 2
+    pdl: bool = False
+    fuse_rope: bool = False
+
+
+PREFILL_CONFIG = TritonConfig()
+
+
+def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
+    """Launch config of a uniform-decode key with `programs` = rows x KV heads.
+
+    Few programs split each row's KV axis over about two waves of the chip (four below 96
+    programs, with 128-key tiles); past about six waves the KV axis is not split and 64-key
+    tiles are used. Every split bracket takes the rotary embedding and the K/V write in
+    (`fuse_rope`). The brackets come from `python -m bench.tune_attention` on an H200
+    (bench/RESULTS.md).
+
+    Parameters
+    ----------
+    programs : int
+        Rows x KV heads of the launch (CPU numbers).
+    pdl : bool
+        `TritonConfig.pdl` of the result (the caller knows the device: `has_pdl`).
+    """
+    if programs < 32:
+        return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2, pdl=pdl,
+                            fuse_rope=True)
+    if programs < 6 * 132:
+        return TritonConfig(block_n=128, num_warps=4, num_stages=2,
+                            waves=4 if programs < 96 else 2, pdl=pdl, fuse_rope=True)
+    return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1, pdl=pdl)
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Triton imports and a CUDA device exists."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def has_pdl(index: int) -> bool:
+    """Programmatic dependent launch from Triton on CUDA device `index` (Hopper or newer,
+    a Triton with ``gdc_wait``)."""
+    if not has_triton() or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def has_varlen_paged() -> bool:
+    """The installed torch has varlen_attn with block_table / seqused_k."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    params = inspect.signature(varlen_attn).parameters
+    return "block_table" in params and "seqused_k" in params
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel a call on `device` runs ("auto" resolved); ValueError when unavailable."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}, expected one of {KERNELS}")
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and has_triton() else "torch"
+    if kernel == "triton" and not (device.type == "cuda" and has_triton()):
+        raise ValueError(f"kernel 'triton' needs CUDA and Triton; device is {device.type}")
+    if kernel == "varlen" and not (device.type == "cuda" and has_varlen_paged()):
+        raise ValueError(
+            f"kernel 'varlen' needs CUDA and torch.nn.attention.varlen.varlen_attn with "
+            f"block_table (torch {torch.__version__}, device {device.type})"
+        )
+    return kernel
+
+
+def split_plan(rows: int, num_kv_heads: int, max_len: int, block_n: int,
+               num_sms: int = 132, waves: int = 2) -> int:
+    """Splits of each row's KV axis from CPU numbers only.
+
+    Enough programs to fill about `waves` waves of the chip, at most one split per
+    `block_n` keys of `max_len` (the bound). The kernel cuts each row's own length,
+    read on the device, into that many equal parts.
+    """
+    want = max(1, -(-waves * num_sms // max(rows * num_kv_heads, 1)))
+    most = max(1, -(-max(max_len, 1) // block_n))
+    return min(want, most, 64)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def rope_fusable(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The fused rotary decode's shapes: K and V head_dim both `head_dim`, a power of two
+    >= 16 (`rope_paged_decode` falls back to two ops otherwise; `triton_attention` refuses)."""
+    return k_cache.shape[-1] == v_cache.shape[-1] == head_dim == pow2(head_dim) >= 16
+
+
+def tiles(cfg: TritonConfig, rows: int, num_kv_heads: int, head_dim: int, max_len: int,
+           device: torch.device, uniform: bool) -> tuple[int, int]:
+    """(keys per tile, KV splits) of a launch (splits: uniform decode keys only)."""
+    block_n = cfg.block_n if head_dim <= 128 else min(cfg.block_n, 32)
+    if not uniform:
+        return block_n, 1
+    return block_n, split_plan(rows, num_kv_heads, max_len, block_n, num_sms(device),
+                               cfg.waves)
+
+
+def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
+                     device: torch.device, kernel: str = "auto") -> bool:
+    """Whether a batch of `rows` one-token decode rows runs `rope_paged_decode` rather than
+    `rope_write_kv` then attention (CPU numbers only; `PagedAttentionImpl.forward_qkv`).
+
+    Fused, every program rotates its queries before its loop and holds more registers, so
+    fewer programs may fit an SM: it pays where the launch splits the KV axis (few
+    programs, each short) and costs where many unsplit programs fill the chip. Hence
+    `TritonConfig.fuse_rope` of `decode_config`, and only where the launch splits. Kernels
+    other than Triton: True (the op runs the two ops itself).
+    """
+    if resolve_kernel(kernel, device) != "triton":
+        return True
+    cfg = decode_config(rows * num_kv_heads)
+    return cfg.fuse_rope and tiles(cfg, rows, num_kv_heads, head_dim, max_len, device,
+                                    True)[1] > 1
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def num_sms(device: torch.device) -> int:
+    return _num_sms_of(device_index(device))

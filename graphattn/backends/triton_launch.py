@@ -1,0 +1,155 @@
+"""Launches of the Triton kernels (`graphattn.backends.triton_kernels`, imported on first
+use): grid, tiles and constexprs from CPU numbers only, never a host read of device data."""
+
+from __future__ import annotations
+
+import torch
+
+from graphattn.backends.launch_config import (
+    PREFILL_CONFIG,
+    TritonConfig,
+    decode_config,
+    device_index,
+    has_pdl,
+    pow2,
+    rope_fusable,
+    tiles,
+)
+
+__all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_write_kv",
+           "triton_attention"]
+
+
+def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless both caches are contiguous (the Triton kernels address slots by
+    one stride)."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op} with kernel 'triton' needs contiguous caches")
+
+
+def _attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int,
+                      uniform_query_len: int, max_len: int,
+                      config: TritonConfig | None) -> tuple[TritonConfig, int, int, dict]:
+    """(config, tiles, KV splits, constexprs) of one attention launch."""
+    t, h, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    g = h // hkv
+    if uniform_query_len:  # one tile per row, program i owns row i
+        block_q = pow2(uniform_query_len)
+        num_tiles = max(rows, -(-t // block_q))
+    else:
+        block_q = max(1, 64 // pow2(g))
+        num_tiles = t // block_q + rows
+    device_pdl = has_pdl(device_index(q.device))
+    cfg = config or (decode_config(rows * hkv, device_pdl) if uniform_query_len
+                     else PREFILL_CONFIG)
+    if cfg.pdl and not device_pdl:
+        raise ValueError(f"TritonConfig.pdl = True needs programmatic dependent launch (compute "
+                         f"capability >= 9 and a Triton with gdc_wait), which {q.device} lacks")
+    block_n, num_splits = tiles(cfg, rows, hkv, max(d, dv), max_len, q.device,
+                                bool(uniform_query_len))
+    consts = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
+                  DV_PAD=max(16, pow2(dv)), BLOCK_Q=block_q, BLOCK_M=max(16, pow2(block_q * g)),
+                  BLOCK_N=block_n, PAGE=k_cache.shape[1], UNIFORM=bool(uniform_query_len),
+                  WRITE_LSE=False, USE_PDL=cfg.pdl)
+    return cfg, num_tiles, num_splits, consts
+
+
+def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_table: torch.Tensor, scale: float, uniform_query_len: int,
+                     max_len: int, window: int, softcap: float, sinks: torch.Tensor | None,
+                     config: TritonConfig | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+    """Paged attention through the unified kernel (+ the split merge); see
+    `torch.ops.graphattn.paged_attention` for the arguments.
+
+    `uniform_query_len`: every row has that many tokens (0: mixed rows); `max_len`: the
+    bound of every row's length; `config`: the launch config (default `decode_config` for
+    uniform rows, `PREFILL_CONFIG` otherwise); `rope`: (positions, inv_freq, slot_mapping) of
+    a one-token decode launch whose `q` is the q-head view of a fused qkv
+    (`rope_paged_decode`). Returns [T, H, Dv] in q's dtype, 0 for padded tokens.
+    """
+    from graphattn.backends.triton_kernels import merge_splits_kernel, unified_attention_kernel
+
+    t, h, d = q.shape
+    dv = v_cache.shape[-1]
+    if rope is not None and not (uniform_query_len == 1 and rope_fusable(d, k_cache, v_cache)):
+        raise ValueError(f"the fused rotary decode takes one-token rows and a power-of-two "
+                         f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
+                         f"head_dim {d}, V head_dim {dv}")
+    rows = block_table.shape[0]
+    if t == 0 or rows == 0:
+        return q.new_zeros(t, h, dv)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cfg, num_tiles, num_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
+                                                           uniform_query_len, max_len, config)
+    features = dict(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None)
+    out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
+    part = part_lse = out
+    if num_splits > 1:
+        part = torch.empty(t * h * num_splits, consts["DV_PAD"], dtype=torch.float32,
+                           device=q.device)
+        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
+    sink_arg = sinks if sinks is not None else out
+    unified_attention_kernel[(num_tiles, k_cache.shape[2], num_splits)](
+        out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        sink_arg, *(rope or (seq_lens,) * 3), scale, softcap if softcap > 0 else 1.0, window,
+        rows, h, t, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=cfg.pdl, ROPE_APPEND=rope is not None,
+        **features, **consts)
+    if num_splits > 1:
+        merge_splits_kernel[(t, h)](
+            out, out, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
+            out.stride(1), HEAD_DIM_V=dv, DV_PAD=consts["DV_PAD"], NUM_SPLITS=num_splits,
+            S_PAD=max(2, pow2(num_splits)), USE_SINKS=sinks is not None, WRITE_LSE=False,
+            USE_PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl)
+    return out
+
+
+def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """K and V of T tokens into their slots in one launch (slot -1: no write)."""
+    from graphattn.backends.triton_kernels import write_kv_kernel
+
+    check_contiguous_caches("write_kv", k_cache, v_cache)
+    t = k.shape[0]
+    if t == 0:
+        return
+    k, v = k.reshape(t, -1), v.reshape(t, -1)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    row_k, row_v = k.shape[1], v.shape[1]
+    write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                          k_cache.stride(1), v_cache.stride(1), ROW_K=row_k, ROW_V=row_v,
+                          BLOCK=min(1024, pow2(max(row_k, row_v))), num_warps=4)
+
+
+def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, num_heads: int,
+                         num_kv_heads: int) -> torch.Tensor:
+    """Rotated queries [T, H, D] of a fused qkv, K/V written (one launch)."""
+    from graphattn.backends.triton_kernels import rope_write_kv_kernel
+
+    check_contiguous_caches("rope_write_kv", k_cache, v_cache)
+    t, d = qkv.shape[0], 2 * inv_freq.shape[0]
+    q = qkv.new_empty(t, num_heads, d)
+    if t == 0:
+        return q
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    pdl = has_pdl(device_index(qkv.device))
+    rope_write_kv_kernel[(t,)](
+        qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0),
+        k_cache.stride(1), v_cache.stride(1), H=num_heads, HKV=num_kv_heads, D=d,
+        H_PAD=pow2(num_heads), HKV_PAD=pow2(num_kv_heads), HALF_PAD=max(2, pow2(d // 2)),
+        D_PAD=max(2, pow2(d)), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return q

@@ -1,0 +1,165 @@
+"""The runner's configuration: one validated, frozen object (`RunnerConfig`).
+
+Field names follow vLLM's ``CompilationConfig`` where one exists (`cudagraph_mode`); which
+graphs exist is a `BucketPolicy`; how the device step is compiled is a `CompileConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from graphattn.buckets import BucketPolicy
+from graphattn.checks import as_index
+from graphattn.keys import CUDAGraphMode
+
+__all__ = ["INPUT_NAMES", "CompileConfig", "RunnerConfig"]
+
+# what a forward may ask for in its `inputs` (GraphRunner passes these by name)
+INPUT_NAMES = ("input_ids", "positions", "req_slots")
+ON_MISSING = ("eager", "error")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True, slots=True)
+class CompileConfig:
+    """How the runner compiles its device step (`graphattn.compile.BucketCompiler`).
+
+    Parameters
+    ----------
+    enabled : bool
+        Compile the device step: prepare's device half, then the forward with sampling /
+        verification, write-back and the truth's advance, one compile per batch shape
+        serving every length bucket. Attention and the KV write stay opaque custom ops.
+    backend : str
+        Dynamo backend: "inductor", or "eager" / "aot_eager" (tests, debugging).
+    mode : str, optional
+        Inductor mode ("default", "max-autotune-no-cudagraphs", ...); inductor's own CUDA
+        graphs are always off (the runner captures the compiled code itself).
+    options : mapping, optional
+        Inductor options (``torch._inductor.config`` names).
+    fullgraph : bool
+        Refuse graph breaks in the compiled step.
+    max_compiles : int
+        Dynamo's recompile limit is raised to this; hitting it fails loudly.
+    """
+
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    fullgraph: bool = True
+    max_compiles: int = 256
+
+    def __post_init__(self) -> None:
+        _check_bool("CompileConfig.enabled", self.enabled)
+        _check_bool("CompileConfig.fullgraph", self.fullgraph)
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"CompileConfig.backend must be a backend name, got "
+                             f"{self.backend!r}")
+        if self.mode is not None and (self.backend != "inductor"
+                                      or not isinstance(self.mode, str)):
+            raise ValueError(f"CompileConfig.mode = {self.mode!r} needs backend 'inductor' "
+                             f"(got {self.backend!r}) and a mode name")
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"CompileConfig.options must be a mapping, got "
+                             f"{type(self.options).__name__}")
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        as_index("CompileConfig.max_compiles", self.max_compiles, 1)
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The inductor options of `mode` and `options` (`options` win); CUDA graphs off."""
+        opts: dict[str, Any] = {}
+        if self.mode is not None:
+            from torch._inductor import list_mode_options
+
+            opts.update(list_mode_options(self.mode))
+        opts.update(self.options)
+        opts["triton.cudagraphs"] = False
+        return opts
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Everything that configures a `GraphRunner`, validated on construction.
+
+    Parameters
+    ----------
+    backend : str
+        Registered attention backend (`graphattn.backends.backend_names()`): its builder is
+        the runner's default and its capture support is what the dispatcher honours.
+    cudagraph_mode : CUDAGraphMode or str
+        Which graphs exist: full keys, piecewise keys (the forward compiled once and split
+        at the attention ops, needs ``policy.piecewise_token_sizes``), both (default: full
+        first, then piecewise, then eager), full for uniform decode only, or none.
+    policy : BucketPolicy
+        Capture sizes, length boundaries, mixed and piecewise token sizes and
+        ``decode_query_len`` (1 + drafts per decode row).
+    compile : CompileConfig or bool
+        ``True`` is ``CompileConfig(enabled=True)``.
+    sampling : bool
+        Sample on the device with each request's `SamplingParams` (temperature, top-k,
+        top-p, seed) and return logprobs; False: greedy only (no sort in the graph).
+    overlap_copies : bool
+        On CUDA, each replayed step's packed input goes to the device and its tokens to the
+        host on side streams behind device copies: the host memory's latency overlaps the
+        previous graph. False keeps the copies on the current stream (less host work per
+        step, for host-bound loops).
+    on_missing : {"eager", "error"}
+        A key without a graph runs eagerly at the key's padded shapes, or raises
+        `GraphNotCapturedError` (also for a batch no key fits).
+    static_input_names : tuple of str, optional
+        Subset of ("input_ids", "positions", "req_slots") the forward reads from `inputs`;
+        default: the forward's own ``static_input_names``, else the first two.
+    vocab_size : int, optional
+        Prompt and draft ids are checked against it (default: the model's
+        ``cfg.vocab_size`` / ``config.vocab_size``).
+    """
+
+    backend: str = "paged"
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
+    policy: BucketPolicy = field(default_factory=BucketPolicy)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    sampling: bool = False
+    overlap_copies: bool = True
+    on_missing: str = "eager"
+    static_input_names: tuple[str, ...] | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str):
+            raise ValueError(f"RunnerConfig.backend must be a backend name, got "
+                             f"{self.backend!r}")
+        try:
+            object.__setattr__(self, "cudagraph_mode", CUDAGraphMode(self.cudagraph_mode))
+        except ValueError:
+            raise ValueError(f"RunnerConfig.cudagraph_mode = {self.cudagraph_mode!r}, expected "
+                             f"one of {[m.value for m in CUDAGraphMode]}") from None
+        if not isinstance(self.policy, BucketPolicy):
+            raise ValueError(f"RunnerConfig.policy must be a BucketPolicy, got "
+                             f"{type(self.policy).__name__}")
+        if isinstance(self.compile, bool):
+            object.__setattr__(self, "compile", CompileConfig(enabled=self.compile))
+        if not isinstance(self.compile, CompileConfig):
+            raise ValueError(f"RunnerConfig.compile must be a CompileConfig or a bool, got "
+                             f"{type(self.compile).__name__}")
+        _check_bool("RunnerConfig.sampling", self.sampling)
+        _check_bool("RunnerConfig.overlap_copies", self.overlap_copies)
+        if self.on_missing not in ON_MISSING:
+            raise ValueError(f"RunnerConfig.on_missing = {self.on_missing!r}, expected one of "
+                             f"{ON_MISSING}")
+        if self.static_input_names is not None:
+            names = self.static_input_names
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names) or (
+                    set(names) - set(INPUT_NAMES)):
+                raise ValueError(f"RunnerConfig.static_input_names = {names!r}, expected a "
+                                 f"subset of {INPUT_NAMES}")
+            object.__setattr__(self, "static_input_names", tuple(names))
+        if self.vocab_size is not None:
+            as_index("RunnerConfig.vocab_size", self.vocab_size, 1)
