@@ -3,9 +3,8 @@
 Every device: host overhead of planning per stage (prepare, build, plan) for 1..4096
 requests, micro-batch planning, and the cost of an NVTX range. On CUDA also the runner
 scenarios (mixed prefill+decode, spec decode, many lengths), each against eager with and
-without a host read. Writes results.json, results.md and us_per_step.png under --out.
-Uniform decode side by side with its peers is `python -m bench.graph_replay`, whose rows
-(bench/results/graph_replay.json) this plot also draws when present.
+without a host read. Writes results.json, results.md and host_planning.png under --out.
+Uniform decode side by side with its peers is `python -m bench.graph_replay`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 
 from bench import host_overhead, profiling_overhead, scenarios
 
+STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
 COLUMNS = ("scenario", "mode", "batch", "us_step", "us_p25", "us_p75", "host_dispatch_us",
            "host_prepare_us", "host_replay_us", "host_eager_us", "host_postprocess_us",
            "prepare_us", "build_us", "plan_us", "syncs_per_step", "graphs", "capture_s",
@@ -45,56 +45,24 @@ def markdown(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], path: Path, replay: list[dict]) -> None:
-    """Uniform decode as a ratio to the memory floor per mode (when graph_replay rows exist),
-    else host planning µs per stage; distinct marker and line style per series."""
+def plot(rows: list[dict], path: Path, device: str) -> None:
+    """Host planning µs per stage against the number of requests (this run's rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
-    decode = [r for r in replay if "us_step" in r and "floor_us" in r and "batch" in r]
-    if decode:
-        keys = sorted({(r["model"], r["length"]) for r in decode})
-        modes = list(dict.fromkeys(r["mode"] for r in decode))
-        style = dict(zip(modes, styles * 3, strict=False))
-        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.4), squeeze=False)
-        for ax, (model, length) in zip(axes[0], keys, strict=True):
-            part = [r for r in decode if (r["model"], r["length"]) == (model, length)]
-            for mode in modes:
-                pts = sorted((r["batch"], r["us_step"] / r["floor_us"]) for r in part
-                             if r["mode"] == mode)
-                if not pts:
-                    continue
-                marker, ls = style[mode]
-                floor = mode.startswith("replay_floor")  # hollow, larger: never hides a line
-                ax.plot(*zip(*pts, strict=True), marker=marker, linestyle="none" if floor else ls,
-                        markersize=11 if floor else 6, fillstyle="none" if floor else "full",
-                        label=mode, color=f"C{modes.index(mode)}")
-            ax.set(xlabel="batch", ylabel="step / memory floor", title=f"{model}, length {length}")
-            ax.set_xscale("log", base=2)
-            ax.grid(True, which="both", alpha=0.3)
-        handles, labels = [], []
-        for ax in axes[0]:
-            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-                if lab not in labels:
-                    handles.append(h)
-                    labels.append(lab)
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-        fig.subplots_adjust(bottom=0.2)
-    else:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        host = [r for r in rows if r.get("scenario") == "host_overhead"]
-        for (marker, ls), stage in zip(styles, ("prepare_us", "build_us", "plan_us"),
-                                       strict=False):
-            pts = sorted((r["batch"], r[stage]) for r in host if stage in r)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    host = [r for r in rows if r.get("scenario") == "host_overhead"]
+    for (marker, ls), stage in zip(STYLES, ("prepare_us", "build_us", "plan_us"), strict=False):
+        pts = sorted((r["batch"], r[stage]) for r in host if stage in r)
+        if pts:
             ax.plot(*zip(*pts, strict=True), marker=marker, linestyle=ls, label=stage)
-        ax.set(xscale="log", yscale="log", xlabel="requests", ylabel="host µs",
-               title="planning on the host, per stage")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout(rect=(0, 0.08 if decode else 0, 1, 1))
+    ax.set(xscale="log", yscale="log", xlabel="requests in the step",
+           ylabel="host µs per call (median)", title=f"planning on the host ({device}), per stage")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -102,10 +70,10 @@ def plot(rows: list[dict], path: Path, replay: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out",
+                    help="folder for the result files"),
+                    help="folder for results.json, results.md and host_planning.png")
     ap.add_argument("--quick", action="store_true", help="fewer steps and sizes")
-    ap.add_argument("--replay", default="bench/results/graph_replay.json",
-                    help="graph_replay rows to plot (skipped when missing)")
     ap.add_argument("--only", default=None,
                     help="comma-separated scenario names to run (default: all)")
     args = ap.parse_args()
@@ -146,10 +114,9 @@ def main() -> None:
           f"{steps} steps; µs are medians with p25 / p75, host_*_us the host time of each "
           f"runner stage (median)\n\n{markdown(rows)}")
     (out / "results.md").write_text(md)
-    replay = json.loads(Path(args.replay).read_text()) if Path(args.replay).exists() else []
-    plot(rows, out / "us_per_step.png", replay)
+    plot(rows, out / "host_planning.png", meta["device"])
     print(md)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'us_per_step.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'host_planning.png'}")
 
 
 if __name__ == "__main__":

@@ -69,10 +69,14 @@ class _Checked:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--sizes", default="1,8,32,128")
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--model", "--models", default="tiny",
+                    help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
+    ap.add_argument("--sizes", default="1,8,32,128",
+                    help="comma-separated batch sizes (requests per step)")
+    ap.add_argument("--lengths", default="512,2048",
+                    help="comma-separated context lengths (tokens per request)")
+    ap.add_argument("--steps", type=int, default=100,
+                    help="timed steps per point")
     ap.add_argument("--static-caches", action="store_true",
                     help="mark the KV caches and rotary frequencies as static addresses "
                          "(torch._dynamo.mark_static_address), as transformers' StaticCache "
@@ -82,6 +86,8 @@ def main() -> None:
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                     help="set an inductor config entry (dotted key, Python literal value)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     for item in args.inductor:
         key, value = item.split("=", 1)
         *path, name = key.split(".")

@@ -100,11 +100,17 @@ def rows_for(model: str, sizes: tuple[int, ...], lengths: tuple[int, ...]) -> li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--sizes", default="1,8,32,128")
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--model", "--models", default="tiny",
+                    help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
+    ap.add_argument("--sizes", default="1,8,32,128",
+                    help="comma-separated batch sizes (requests per step)")
+    ap.add_argument("--lengths", default="512,2048",
+                    help="comma-separated context lengths (tokens per request)")
+    ap.add_argument("--out", default="bench/results",
+                    help="folder for the result files")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     if not torch.cuda.is_available():
         raise SystemExit("bench.flex_layouts needs a CUDA GPU")
     rows = rows_for(args.model, tuple(int(s) for s in args.sizes.split(",")),

@@ -351,14 +351,22 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny,1b")
+    ap.add_argument("--models", default="tiny,1b",
+                    help="comma-separated bench models: tiny, 1b (a Llama-3.2-1B shape)")
     ap.add_argument("--model", help="run one model in this process (used by the parent)")
-    ap.add_argument("--sizes", default="1,8,32,128")
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--sizes", default="1,8,32,128",
+                    help="comma-separated batch sizes (requests per step)")
+    ap.add_argument("--lengths", default="512,2048",
+                    help="comma-separated context lengths (tokens per request)")
+    ap.add_argument("--steps", type=int, default=100,
+                    help="timed steps per point")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated modes to run")
+    ap.add_argument("--out", default="bench/results",
+                    help="folder for the result files")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     sizes = tuple(int(s) for s in args.sizes.split(","))
     lengths = tuple(int(s) for s in args.lengths.split(","))
     modes = tuple(args.modes.split(","))
@@ -401,16 +409,64 @@ def save(out: Path, name: str, rows: list[dict]) -> None:
         json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Uniform decode step time over the memory floor, per mode, one panel per model and
+    length; the title names the device and torch of the rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
+    decode = [r for r in rows if "us_step" in r and "floor_us" in r and "batch" in r]
+    if not decode:
+        return
+    keys = sorted({(r["model"], r["length"]) for r in decode})
+    modes = list(dict.fromkeys(r["mode"] for r in decode))
+    style = dict(zip(modes, styles * 3, strict=False))
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.4), squeeze=False)
+    for ax, (model, length) in zip(axes[0], keys, strict=True):
+        part = [r for r in decode if (r["model"], r["length"]) == (model, length)]
+        for mode in modes:
+            pts = sorted((r["batch"], r["us_step"] / r["floor_us"]) for r in part
+                         if r["mode"] == mode)
+            if not pts:
+                continue
+            marker, ls = style[mode]
+            floor = mode.startswith("replay_floor")  # hollow, larger: never hides a line
+            ax.plot(*zip(*pts, strict=True), marker=marker, linestyle="none" if floor else ls,
+                    markersize=11 if floor else 6, fillstyle="none" if floor else "full",
+                    label=mode, color=f"C{modes.index(mode)}")
+        ax.set(xlabel="batch", ylabel="step / memory floor", title=f"{model}, length {length}")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = [], []
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    device = rows[0].get("device", "GPU")
+    fig.suptitle(f"uniform decode on {device}, torch {rows[0].get('torch', '?')}: step time / "
+                 "memory floor (lower is better)")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def merge(out: Path) -> None:
     """graph_replay.json (a list of rows) and graph_replay.md from every model's file."""
     rows: list[dict] = []
     for path in sorted(out.glob("graph_replay_*.json")):
         got = json.loads(path.read_text())
-        rows += [{**r, "date": got["meta"]["date"], "torch": got["meta"]["torch"]}
+        rows += [{**r, "date": got["meta"]["date"], "torch": got["meta"]["torch"],
+                  "device": got["meta"]["device"], "command": got["meta"]["command"]}
                  for r in got["rows"]]
     (out / "graph_replay.json").write_text(json.dumps(rows, indent=1))
     md = table(rows)
     (out / "graph_replay.md").write_text(f"{md}\n")
+    plot(rows, out / "graph_replay.png")
     print(md)
     for r in rows:
         if "error" in r or r.get("mode", "").startswith("attention"):

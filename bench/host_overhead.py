@@ -85,7 +85,8 @@ def run(device: str = "cpu", sizes: tuple[int, ...] = SIZES,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device")
     args = ap.parse_args()
     print(f"{'reqs':>6} {'prepare us':>11} {'build us':>9} {'total us':>9} {'plan us':>8} "
           f"{'reused us':>9}")

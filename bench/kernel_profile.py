@@ -65,11 +65,17 @@ def kernels(fn) -> tuple[dict[str, tuple[float, float]], float, dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--length", type=int, default=512)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--model", "--models", default="tiny",
+                    help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="requests per step")
+    ap.add_argument("--length", type=int, default=512,
+                    help="context length (tokens per request)")
+    ap.add_argument("--out", default=None,
+                    help="folder for the result files")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     cfg, n, length = MODELS[args.model], args.batch, args.length
     max_len = length + 256
     policy = BucketPolicy(capture_sizes=(n,), length_boundaries=(max_len,))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from bench.setup import MODELS
 from graphattn import GraphRunner, RunnerConfig
@@ -167,32 +168,44 @@ class _nullcount:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--requests", type=int, default=64,
+                    help="requests to serve")
+    ap.add_argument("--model", "--models", default="tiny",
+                    help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
     ap.add_argument("--spec", type=int, default=3, help="drafts per step in the spec rows")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                     help="default bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="folder for the result files")
     args = ap.parse_args()
     torch.manual_seed(0)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     dtype = getattr(torch, args.dtype)
     model = TinyDecoder(MODELS[args.model]).to(args.device, dtype)
     work = _workload(args.requests, model.cfg.vocab_size)
+    bar = tqdm(total=5, desc="serving", unit="run")
+
+    def run(*a: object, **kw: object) -> tuple[dict, dict]:
+        got = serve(model, args.device, work, *a, **kw)
+        bar.set_postfix_str(got[0]["mode"])
+        bar.update()
+        return got
+
     rows = []
-    greedy_row, greedy = serve(model, args.device, work, "graphs", 0, None)
+    greedy_row, greedy = run("graphs", 0, None)
     rows.append(greedy_row)
     oracle = {i: [work[i][0][-1]] + v for i, v in greedy.items()}  # last prompt token + output
-    rows.append(serve(model, args.device, work, "eager", 0, None)[0])
-    spec_row, spec_tokens = serve(model, args.device, work, "graphs", args.spec, oracle)
+    rows.append(run("eager", 0, None)[0])
+    spec_row, spec_tokens = run("graphs", args.spec, oracle)
     spec_row["same_tokens_as_plain"] = spec_tokens == greedy
     rows.append(spec_row)
-    rows.append(serve(model, args.device, work, "eager", args.spec, oracle)[0])
-    ngram_row, ngram_tokens = serve(model, args.device, work, "graphs", args.spec, None,
-                                    ngram=True)
+    rows.append(run("eager", args.spec, oracle)[0])
+    ngram_row, ngram_tokens = run("graphs", args.spec, None, ngram=True)
     ngram_row["same_tokens_as_plain"] = ngram_tokens == greedy
     rows.append(ngram_row)
+    bar.close()
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device":
             torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "model": args.model, "command": "python -m bench.serving " + " ".join(

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -115,12 +117,18 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=20000, help="random steps to drive")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random schedule")
+    ap.add_argument("--device", default="cpu", help="torch device of the runner")
+    ap.add_argument("--out", default=None, help="folder to write soak.json into")
     args = ap.parse_args()
     result = run(args.steps, args.seed, args.device, progress=True)
+    result.update(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                  command="python -m bench.soak " + " ".join(sys.argv[1:]))
     print(json.dumps(result))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "soak.json").write_text(json.dumps(result, indent=1))
     raise SystemExit(1 if result["violations"] else 0)
 
 

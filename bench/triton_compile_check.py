@@ -69,7 +69,8 @@ def build(fn, consts: dict, target: GPUTarget, **options) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--arch", type=int, default=90,
+                    help="CUDA compute capability to build for (90: H100 / H200)")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     shape = dict(G=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)

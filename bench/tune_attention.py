@@ -48,8 +48,10 @@ def time_us(fns, reps=30):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--models", default="tiny,1b")
+    ap.add_argument("--out", default="bench/results",
+                    help="folder for the result files")
+    ap.add_argument("--models", "--model", default="tiny,1b",
+                    help="comma-separated bench models: tiny, 1b (a Llama-3.2-1B shape)")
     ap.add_argument("--shapes", default="1:2048,8:2048,32:2048,128:2048,128:512",
                     help="batch:length pairs")
     ap.add_argument("--bucket", action="store_true",
@@ -62,6 +64,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--tag", default="", help="writes tune_attention{_tag}.json")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     rng = np.random.default_rng(0)
     rows = []
     waves = tuple(int(w) for w in args.waves.split(","))

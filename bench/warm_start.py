@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 CHILD = """
 import json, time, torch
-from graphattn import GraphRunner
+from graphattn import GraphRunner, RunnerConfig
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
 dev = "{device}"
@@ -29,7 +30,7 @@ torch.manual_seed(0)
 model = TinyDecoder(TinyConfig()).to(dev)
 st = RequestState(8, 256, 16, dev)
 model.allocate_caches(8 * st.max_num_blocks_per_req, 16)
-runner = GraphRunner(model, st, compile=True)
+runner = GraphRunner(model, st, RunnerConfig(compile=True))
 keys = runner.dispatcher.all_keys()
 t0 = time.perf_counter()
 runner.capture(keys[:1], progress=False)
@@ -44,9 +45,12 @@ print(json.dumps({{"seconds": t2 - t0, "first_key_s": t1 - t0, "other_keys_s": t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cpu",
+                    help="torch device")
+    ap.add_argument("--cache-dir", default=None,
+                    help="inductor's cache folder (default: a fresh temporary one)")
+    ap.add_argument("--out", default=None,
+                    help="folder for the result files")
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="TORCHINDUCTOR_COMPILE_THREADS of both starts (default: inductor's)")
     args = ap.parse_args()
@@ -55,13 +59,13 @@ def main() -> None:
     if args.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
     rows = []
-    for start in ("cold", "warm"):
+    for start in tqdm(("cold", "warm"), desc="warm_start", unit="start"):
         proc = subprocess.run([sys.executable, "-c", CHILD.format(device=args.device)],
                               capture_output=True, text=True, env=env, check=True)
         rows.append({"start": start, "cache_dir": cache,
                      "compile_threads": args.compile_threads, **json.loads(
             proc.stdout.strip().splitlines()[-1])})
-        print(json.dumps(rows[-1]))
+        tqdm.write(json.dumps(rows[-1]))
     if args.out:
         meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                 "device": args.device, "command": "python -m bench.warm_start --device "

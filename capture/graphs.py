@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from graphattn.backends.registry import PadValue
 from graphattn.keys import GraphKey
 from graphattn.transfer import Uploader
 
+logger = logging.getLogger("graphattn")
 __all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward",
            "slice_outputs"]
 
@@ -197,7 +199,8 @@ class CUDAGraphManager:
         progress : bool
             A tqdm bar over the keys (total shown before the first capture).
         summary : bool, optional
-            Write the report's one-line summary at the end (default: `progress`).
+            Log the report's one-line summary (logger "graphattn", INFO) at the end (default:
+            `progress`).
         """
         order = sorted(set(keys), key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
                                                  k.max_len_bucket, k.uniform_decode),
@@ -225,7 +228,7 @@ class CUDAGraphManager:
             report.pool_bytes = self._pool_bytes(reserved0)
         report.seconds = time.perf_counter() - t0
         if progress if summary is None else summary:
-            tqdm.write(f"graphattn: {report}")
+            logger.info("%s", report)
         return report
 
     def _pool_bytes(self, reserved0: int) -> int:

@@ -7,6 +7,7 @@ a graph step leaves the host with one packed H2D copy and one graph launch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from graphattn.backends import AttentionBuilder, BackendSpec, BuilderContext, get_backend
 from graphattn.batch import BatchPlan, plan_batch
@@ -51,6 +51,7 @@ from graphattn.transfer import (
     to_device,
 )
 
+logger = logging.getLogger("graphattn")
 __all__ = ["GraphRunner", "StepOutput"]
 
 @dataclass(slots=True)
@@ -378,7 +379,7 @@ class GraphRunner:
         Keys already captured are skipped. Compiled runners run each key's compiled code
         (and inductor's autotuning) in the warm-up runs; the recorded run compiles nothing
         (RecompileError otherwise). With `progress`, a tqdm bar over the keys and a one-line
-        summary.
+        summary logged to the "graphattn" logger.
         """
 
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
@@ -399,7 +400,7 @@ class GraphRunner:
                 report.num_piecewise = len(self.dispatcher.piecewise_keys())
                 report.seconds = time.perf_counter() - t0
                 if progress:
-                    tqdm.write(f"graphattn: {report}")
+                    logger.info("%s", report)
         if keys is None:
             for c in self.device_step.compilers():
                 c.freeze()

@@ -14,6 +14,7 @@ of device state inside `step()`: 0.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import numpy as np
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-reqs", type=int, default=6, help="request slots")
     ap.add_argument("--token-budget", type=int, default=48, help="tokens scheduled per step")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     runner = _make_runner(args.device, args.max_reqs)
