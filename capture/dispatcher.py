@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from graphattn.buckets import BucketPolicy, LengthBuckets, pad_to_capture_size, validate_sizes
+from graphattn.config import RunnerConfig
 from graphattn.keys import BatchShape, CaptureSupport, CUDAGraphMode, GraphKey
 
 __all__ = ["CaptureSupport", "GraphDispatcher", "GraphKey"]
@@ -91,6 +92,21 @@ class GraphDispatcher:
         return cls(sizes, LengthBuckets(max_model_len, policy.length_boundaries),
                    policy.decode_query_len, policy.mixed_token_sizes, capture_support, mode,
                    policy.piecewise_token_sizes)
+
+    @classmethod
+    def for_runner(cls, config: RunnerConfig, max_model_len: int, max_num_reqs: int,
+                   capture_support: CaptureSupport,
+                   given: GraphDispatcher | None = None) -> GraphDispatcher:
+        """The dispatcher of a runner: `given`, or one from the config's policy and mode
+        (ValueError when both a dispatcher and a non-default policy or mode are given)."""
+        if given is None:
+            return cls.from_policy(config.policy, max_model_len, capture_support,
+                                   config.cudagraph_mode, max_num_reqs)
+        default = RunnerConfig()
+        if (config.policy, config.cudagraph_mode) != (default.policy, default.cudagraph_mode):
+            raise ValueError("a dispatcher decides the keys: give it or config.policy / "
+                             "config.cudagraph_mode, not both")
+        return given
 
     def is_piecewise(self, key: GraphKey | None) -> bool:
         """`key` is a piecewise key (its step runs the piecewise-compiled model eagerly)."""

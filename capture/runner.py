@@ -11,15 +11,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from graphattn.backends import AttentionBuilder, BackendSpec, BuilderContext, get_backend
+from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
+from graphattn.backends.registry import resolve_builder
 from graphattn.batch import BatchPlan, plan_batch
-from graphattn.buckets import BucketPolicy, PaddingStats
+from graphattn.buckets import PaddingStats
 from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.device_step import DeviceStep, ModelForward, StepTensors
 from graphattn.capture.dispatcher import GraphDispatcher
@@ -29,9 +29,19 @@ from graphattn.capture.graphs import (
     GraphNotCapturedError,
     slice_outputs,
 )
+from graphattn.capture.model_contract import (
+    check_caches,
+    check_prompt,
+    check_sampling,
+    check_slots,
+    encode_request,
+    static_input_names_of,
+    vocab_size_of,
+)
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
-from graphattn.config import INPUT_NAMES, RunnerConfig
+from graphattn.capture.step_output import OutputRings, StepOutput
+from graphattn.config import RunnerConfig
 from graphattn.keys import BatchShape, CUDAGraphMode, GraphKey
 from graphattn.proposer import DraftProposer
 from graphattn.sampling import SamplingParams, SamplingTable
@@ -44,90 +54,13 @@ from graphattn.spec_decode import (
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.transfer import (
     CurrentStream,
-    OutputRing,
     StagingRing,
-    TokenFuture,
     Uploader,
     to_device,
 )
 
 logger = logging.getLogger("graphattn")
 __all__ = ["GraphRunner", "StepOutput"]
-
-@dataclass(slots=True)
-class StepOutput:
-    """One step's result.
-
-    Attributes
-    ----------
-    logits : torch.Tensor
-        [num_reqs, vocab] at each request's last scheduled token (on CUDA a
-        view of graph memory, valid until the next step).
-    sampled : torch.Tensor
-        int64 [num_reqs] sampled tokens (greedy unless the request's
-        SamplingParams say otherwise), already written to the token buffer.
-    sampled_host : TokenFuture
-        The same tokens on their way to the host: ``wait()`` returns them as
-        np.ndarray int64 [num_reqs], blocking on this step's event only.
-    logprobs : torch.Tensor or None
-        float32 [num_reqs] log-probabilities of `sampled` (runners built with
-        ``sampling=True``).
-    num_rejected : torch.Tensor or None
-        int32 [num_reqs] drafts the verification rejected (steps with drafts).
-    feedback : RejectionFeedback or None
-        Slots, drafts, generations and step id of a step with drafts, waiting
-        for its rejected counts: `GraphRunner.apply_feedback(out)` fills them
-        from the device (blocking on this step only) and corrects the mirror.
-    key : GraphKey or None
-        The key whose padded shapes the step ran at; None when it ran eager at
-        its own shapes (no key fits, or force_eager).
-    replayed : bool
-        A captured graph of `key` replayed (False: the key had none and the
-        runner's on_missing="eager" ran it eagerly at the key's shapes).
-    host_seconds : float
-        Host time of step() (the device may still be running).
-    mode : CUDAGraphMode
-        How the step ran: FULL (a whole-step graph replayed), PIECEWISE (the
-        pieces of the split model replayed around eager attention) or NONE (eager).
-    emitted_host : TokenFuture or None
-        Steps with drafts: ``wait()`` gives int64 [num_reqs, decode_query_len], the
-        tokens each row produced in order (its accepted drafts, then `sampled`),
-        -1 past them: what a serving loop streams, whoever proposed the drafts.
-    """
-
-    logits: torch.Tensor
-    sampled: torch.Tensor
-    key: GraphKey | None
-    replayed: bool
-    host_seconds: float
-    sampled_host: TokenFuture | None = None
-    logprobs: torch.Tensor | None = None
-    num_rejected: torch.Tensor | None = None
-    rejected_host: TokenFuture | None = None
-    feedback: RejectionFeedback | None = None
-    mode: CUDAGraphMode = CUDAGraphMode.NONE
-    emitted_host: TokenFuture | None = None
-
-
-def _vocab_size_of(forward: Any) -> int | None:
-    for holder in (forward, getattr(forward, "model", None)):
-        for attr in ("cfg", "config"):
-            v = getattr(getattr(holder, attr, None), "vocab_size", None)
-            if isinstance(v, int):
-                return v
-    return None
-
-
-def _static_input_names(forward: Any, config: RunnerConfig) -> tuple[str, ...]:
-    names = config.static_input_names
-    if names is None:
-        names = tuple(getattr(forward, "static_input_names", INPUT_NAMES[:2]))
-    bad = set(names) - set(INPUT_NAMES)
-    if bad:
-        raise ValueError(f"unknown static inputs {sorted(bad)}, expected a subset of "
-                         f"{INPUT_NAMES}")
-    return tuple(names)
-
 
 class GraphRunner:
     """A model runner that replays CUDA graphs from CPU upper bounds.
@@ -167,16 +100,16 @@ class GraphRunner:
         if proposer is not None and not isinstance(proposer, DraftProposer):
             raise TypeError(f"proposer {type(proposer).__name__} has no propose(token_ids, "
                             "req_slots, last_positions, num_drafts)")
-        slots = getattr(forward, "max_num_reqs", None)
-        if isinstance(slots, int) and slots < state.max_num_reqs:
-            raise ValueError(f"{type(forward).__name__} holds per-request state for "
-                             f"max_num_reqs = {slots} slots, expected >= the state's "
-                             f"{state.max_num_reqs}")
+        check_slots(forward, state)
+        check_caches(forward, state)
         self.config, self.state = config, state
-        self.static_input_names = _static_input_names(forward, config)
+        self.static_input_names = static_input_names_of(forward, config)
         spec = get_backend(config.backend)
-        self.dispatcher = self._dispatcher(dispatcher, spec)
-        self.builder = self._builder(builder, spec)
+        self.dispatcher = d = GraphDispatcher.for_runner(
+            config, state.max_model_len, state.max_num_reqs, spec.capture_support, dispatcher)
+        self.builder = resolve_builder(spec, BuilderContext(
+            state.block_size, d.decode_query_len, state.max_model_len, d.length_buckets,
+            state.device), builder)
         self.profiler = profiler or StageProfiler(enabled=False)
         compiled = config.compile.enabled
         # compiled: two warm-ups compile (and autotune) whatever the first run's side effects
@@ -187,7 +120,7 @@ class GraphRunner:
             warmup_iters=warmup, recording=self._steady_state if compiled else None)
         self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
             self.dispatcher.piecewise_token_sizes) else None
-        self.vocab_size = config.vocab_size or _vocab_size_of(forward)
+        self.vocab_size = config.vocab_size or vocab_size_of(forward)
         sampler = SamplingTable(state.max_num_reqs, state.device) if config.sampling else None
         self.device_step = DeviceStep(
             forward, state, self.builder, self.dispatcher.decode_query_len,
@@ -205,14 +138,6 @@ class GraphRunner:
         self.device_step.forward = fn
 
     @property
-    def policy(self) -> BucketPolicy:
-        return self.config.policy
-
-    @property
-    def proposer(self) -> DraftProposer | None:
-        return self.device_step.proposer
-
-    @property
     def sampler(self) -> SamplingTable | None:
         return self.device_step.sampler
 
@@ -226,27 +151,6 @@ class GraphRunner:
         """The device step's `BucketCompiler` (None unless compiled)."""
         return self.device_step.compiler
 
-    def _dispatcher(self, given: GraphDispatcher | None, spec: BackendSpec) -> GraphDispatcher:
-        cfg, default = self.config, RunnerConfig()
-        if given is None:
-            return GraphDispatcher.from_policy(cfg.policy, self.state.max_model_len,
-                                               spec.capture_support, cfg.cudagraph_mode,
-                                               self.state.max_num_reqs)
-        if cfg.policy != default.policy or cfg.cudagraph_mode != default.cudagraph_mode:
-            raise ValueError("a dispatcher decides the keys: give it or config.policy / "
-                             "config.cudagraph_mode, not both")
-        return given
-
-    def _builder(self, given: AttentionBuilder | None, spec: BackendSpec) -> AttentionBuilder:
-        st, d = self.state, self.dispatcher
-        if given is None:
-            ctx = BuilderContext(st.block_size, d.decode_query_len, st.max_model_len,
-                                 d.length_buckets, st.device)
-            given = spec.make_builder(ctx)
-        if not isinstance(given, AttentionBuilder):
-            raise TypeError(f"builder {type(given).__name__} has no build(common, key)")
-        return given
-
     def _init_host(self) -> None:
         """Host-side step state: plans, lock, staging and the output rings."""
         st = self.state
@@ -254,17 +158,13 @@ class GraphRunner:
         self.padding = PaddingStats()
         self._plans: dict[GraphKey, BatchPlan] = {}
         self._owner_lock, self._owner = threading.Lock(), None  # see _exclusive
-        self._inference = torch.inference_mode()  # entered by step() alone (under the lock)
         self._staging = StagingRing(st.device)
         self._current = CurrentStream(st.device) if cuda else None
         overlap = self.config.overlap_copies and cuda
         self._uploader = Uploader(st.device) if overlap else None
         # tokens, rejections and emitted counts go to the host on one side stream
-        download = torch.cuda.Stream(st.device) if overlap else None
-        self._outputs = OutputRing(st.max_num_reqs, st.device, stream=download)
-        self._rejections = OutputRing(st.max_num_reqs, st.device, stream=download)
-        self._emitted = OutputRing(st.max_num_reqs, st.device,
-                                   self.dispatcher.decode_query_len, download)
+        self._outputs = OutputRings(st.max_num_reqs, st.device,
+                                    self.dispatcher.decode_query_len, overlap)
 
     @contextlib.contextmanager
     def _steady_state(self) -> Iterator[None]:
@@ -301,24 +201,14 @@ class GraphRunner:
             encoded)``: the encoder runs once here, before the request is admitted.
         """
         st = self.state
-        sampling = sampling or SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if self.sampler is None and sampling != SamplingParams():
-            raise ValueError(f"request {req_id!r} asks for {sampling}, but this runner samples "
-                             "greedily: build it with RunnerConfig(sampling=True)")
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or (ids.size and (ids.dtype == bool
-                                           or not np.issubdtype(ids.dtype, np.integer))):
-            raise ValueError(f"prompt_token_ids of {req_id!r} must be a 1-D integer sequence, got "
-                             f"shape {ids.shape} dtype {ids.dtype}")
-        if ids.size and (ids.min() < 0 or (self.vocab_size and ids.max() >= self.vocab_size)):
-            bad = ids[(ids < 0) | (ids >= (self.vocab_size or np.iinfo(np.int64).max))]
-            raise ValueError(f"prompt_token_ids of {req_id!r}: ids {bad[:8].tolist()} are outside "
-                             f"[0, vocab_size={self.vocab_size}]")
-        encoded = self._encode(req_id, encoder_inputs)
+        sampling = check_sampling(req_id, sampling, self.sampler)
+        ids = check_prompt(req_id, prompt_token_ids, self.vocab_size)
+        if st.num_active >= st.max_num_reqs:
+            raise ValueError(f"no free slot for {req_id!r}: all {st.max_num_reqs} slots hold "
+                             "requests")
+        encoded = encode_request(self.forward, req_id, encoder_inputs)
         if block_ids is None:
-            free = int(np.flatnonzero(~st.active_np)[0]) if st.num_active < st.max_num_reqs else 0
+            free = int(np.flatnonzero(~st.active_np)[0])
             b = st.max_num_blocks_per_req
             block_ids = np.arange(free * b, (free + 1) * b)
         slot = st.add_request(req_id, int(ids.shape[0]), block_ids, num_computed_tokens)
@@ -332,30 +222,14 @@ class GraphRunner:
             self.forward.store_encoder(slot, encoded)
         return slot
 
-    def _encode(self, req_id: str, encoder_inputs: Any) -> Any:
-        """The forward's encoding of a request's encoder input (None for a decoder-only)."""
-        encode = getattr(self.forward, "encode", None)
-        if encode is None:
-            if encoder_inputs is not None:
-                raise ValueError(f"request {req_id!r} has encoder_inputs, but the model "
-                                 f"{type(self.forward).__name__} has no encoder")
-            return None
-        if encoder_inputs is None:
-            raise ValueError(f"request {req_id!r}: {type(self.forward).__name__} is an "
-                             "encoder-decoder and needs encoder_inputs")
-        return encode(encoder_inputs)
-
     def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
         """More KV-cache blocks for a running request (`RequestState.append_blocks`)."""
         self.state.append_blocks(req_id, block_ids)
 
     def resync(self) -> None:
-        """Restore the CPU mirror from the device truth after an interrupted step.
-
-        One explicit host sync (`RequestState.resync`); `step()` leaves mirror and
-        truth consistent by itself unless it was interrupted after its device
-        work was enqueued and before it returned.
-        """
+        """Restore the CPU mirror from the device truth after an interrupted step: one
+        explicit host sync (`RequestState.resync`), needed only when a step was interrupted
+        after its device work was enqueued and before it returned."""
         self.state.resync()
 
     # -- capture -----------------------------------------------------------
@@ -446,7 +320,7 @@ class GraphRunner:
         work (rolled back if that work was never enqueued). One thread at a
         time: a concurrent call raises RuntimeError.
         """
-        with self._exclusive("step()"), self._inference:
+        with self._exclusive("step()"), torch.inference_mode():  # a fresh guard per step
             return self._step(sched, force_eager, key, group, draft_token_ids)
 
     @contextlib.contextmanager
@@ -476,14 +350,16 @@ class GraphRunner:
         st, prof = self.state, self.profiler
         with prof.range("dispatch"):
             shape = st.batch_shape(sched, self.dispatcher.decode_query_len)
+            st.check_known_tokens(sched)
             drafts = check_drafts(st, sched, draft_token_ids, self.dispatcher.decode_query_len,
-                                  self.vocab_size, self.proposer is not None)
+                                  self.vocab_size, self.device_step.proposer is not None)
             key = self._key(shape, force_eager, given, group)
         with prof.range("prepare"):
             plan = self._plan(sched, shape, key, drafts)
         outs, mode, current = self._launch(sched, shape, key, plan)
         with prof.range("postprocess"):
-            out = self._outputs_of(sched, outs, key, mode, current)
+            out = self._outputs.of_step(self.state, sched, outs, key, mode, current,
+                                        self.sampler is not None)
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
                                 key.max_len_bucket if key else shape.max_seq_len)
@@ -494,6 +370,9 @@ class GraphRunner:
              group: Any) -> GraphKey | None:
         """The step's key from CPU numbers (None: eager at the batch's own shapes)."""
         if given is not None:
+            if not isinstance(given, GraphKey):
+                raise ValueError(f"key must be a GraphKey, got {type(given).__name__} "
+                                 f"{given!r}")
             self.dispatcher.check_fits(given, shape)
             return given
         if group is not None:
@@ -551,21 +430,6 @@ class GraphRunner:
         mode = (CUDAGraphMode.PIECEWISE if piecewise else
                 CUDAGraphMode.FULL if full and key in self.graphs else CUDAGraphMode.NONE)
         return outs, mode, current
-
-    def _outputs_of(self, sched: SchedulerOutput, outs: StepTensors, key: GraphKey | None,
-                    mode: CUDAGraphMode, current: Any) -> StepOutput:
-        """The step's outputs, their host copies started (`current`: the current stream)."""
-        out = StepOutput(outs[0], outs[1], key, mode == CUDAGraphMode.FULL, 0.0,
-                         self._outputs.push(outs[1], current),
-                         outs[2] if self.sampler is not None else None, mode=mode)
-        if sched.num_draft_tokens is not None:
-            out.num_rejected = outs[3]
-            out.rejected_host = self._rejections.push(outs[3], current)
-            out.emitted_host = self._emitted.push(outs[4], current)
-            # rejected counts are filled in by apply_feedback once they reach the host
-            out.feedback = RejectionFeedback.of_step(self.state, sched,
-                                                     np.zeros(sched.num_reqs, np.int32))
-        return out
 
     def apply_feedback(self, out: StepOutput) -> FeedbackResult:
         """Correct the CPU mirror with a step's rejected drafts (late is fine).

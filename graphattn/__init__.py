@@ -29,7 +29,7 @@ _HOMES = {
     "RunnerConfig": "graphattn.config",
     "SamplingParams": "graphattn.sampling",
     "SchedulerOutput": "graphattn.state",
-    "StepOutput": "graphattn.capture.runner",
+    "StepOutput": "graphattn.capture.step_output",
     "no_host_sync": "graphattn.sync",
 }
 
@@ -37,7 +37,8 @@ __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
     from graphattn.buckets import BucketPolicy
-    from graphattn.capture.runner import GraphRunner, StepOutput
+    from graphattn.capture.runner import GraphRunner
+    from graphattn.capture.step_output import StepOutput
     from graphattn.config import CompileConfig, RunnerConfig
     from graphattn.keys import CUDAGraphMode, GraphKey
     from graphattn.proposer import NgramProposer

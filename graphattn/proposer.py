@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from graphattn.checks import as_index
+
 __all__ = ["DraftProposer", "NgramProposer"]
 
 
@@ -59,6 +61,8 @@ class NgramProposer:
     window: int = 256
 
     def __post_init__(self) -> None:
+        as_index("NgramProposer.n", self.n, 1)
+        as_index("NgramProposer.window", self.window, 2)
         if not 1 <= self.n < self.window:
             raise ValueError(f"NgramProposer needs 1 <= n < window, got n = {self.n}, window = "
                              f"{self.window}")

@@ -42,13 +42,18 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, int | float) and 0.0 <= self.temperature < 1e4):
+        if not (_is_real(self.temperature) and 0.0 <= self.temperature < 1e4):
             raise ValueError(f"temperature = {self.temperature!r}, expected a float in [0, 1e4)")
-        as_index("top_k", self.top_k, 0)
-        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+        as_index("top_k", self.top_k, 0, (1 << 62))  # an int64 slot on the device
+        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p = {self.top_p!r}, expected a float in (0, 1]")
         if self.seed is not None:
             as_index("seed", self.seed, 0, (1 << 63) - 1)
+
+
+def _is_real(value: object) -> bool:
+    """A real number, not a bool (True is not a temperature)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def hash_uniform(seed: torch.Tensor, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:

@@ -302,6 +302,27 @@ class RequestState:
         """Raise ValueError if `sched` names free slots or runs past max_model_len."""
         self.batch_shape(sched)
 
+    def check_known_tokens(self, sched: SchedulerOutput) -> None:
+        """Raise ValueError for a row that would run tokens nobody has produced yet.
+
+        A prefill row runs at most the rest of its prompt (prompt - computed); a decode row
+        runs its last sampled token plus its drafts (1 + num_draft_tokens). Vectorized.
+        """
+        slots = sched.req_slots
+        computed = self.num_computed_tokens_np[slots]
+        prompt = self.num_prompt_tokens_np[slots]
+        drafts = 0 if sched.num_draft_tokens is None else sched.num_draft_tokens
+        most = np.where(computed < prompt, prompt - computed, 1 + drafts)
+        bad = sched.num_scheduled_tokens > most
+        if bad.any():
+            i = int(np.argmax(bad))
+            kind = ("prefill row: at most prompt - computed" if computed[i] < prompt[i]
+                    else "decode row: at most 1 + its num_draft_tokens")
+            raise ValueError(
+                f"num_scheduled_tokens[{i}] = {sched.num_scheduled_tokens[i]} for slot "
+                f"{slots[i]} (prompt {prompt[i]}, computed {computed[i]}), expected <= "
+                f"{most[i]} ({kind}): later tokens do not exist yet")
+
     def batch_shape(self, sched: SchedulerOutput, decode_query_len: int = 1) -> BatchShape:
         """Validate `sched` against the table and return its BatchShape (numpy only).
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = ["AttentionBuilder", "AttentionImpl", "BackendMetadata", "BackendSpec",
-           "BuilderContext", "PadValue", "backend_names", "get_backend", "register_backend"]
+           "BuilderContext", "PadValue", "backend_names", "get_backend", "register_backend",
+           "resolve_builder"]
 
 PadValue = int | float | Literal["edge"]
 
@@ -112,6 +113,15 @@ class BackendSpec:
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
+
+
+def resolve_builder(spec: BackendSpec, ctx: BuilderContext,
+                    given: object | None = None) -> AttentionBuilder:
+    """`given` (TypeError unless it has ``build(common, key)``), else the spec's builder."""
+    builder = spec.make_builder(ctx) if given is None else given
+    if not isinstance(builder, AttentionBuilder):
+        raise TypeError(f"builder {type(builder).__name__} has no build(common, key)")
+    return builder
 
 
 def register_backend(name: str, spec: BackendSpec) -> None:

@@ -123,20 +123,26 @@ def test_concurrent_step_refused():
     model, st, runner = make()
     runner.add_request("a", [1, 2, 3])
     sched = SchedulerOutput(np.array([0]), np.array([1]))
+    errors = _during_forward(runner, lambda: runner.step(sched))
+    runner.step(SchedulerOutput(np.array([0]), np.array([3])))
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "already running in another thread" in str(errors[0])
+    np.testing.assert_array_equal(st.num_computed_tokens_np[:1], device_truth(st)[:1])
+
+
+def _during_forward(runner, call):
+    """Make the runner's forward run `call` from another thread; the errors it raised."""
     errors = []
     forward = runner.forward
 
     def slow_forward(inputs, meta):
-        t = threading.Thread(target=lambda: errors.append(_try(runner.step, sched)))
+        t = threading.Thread(target=lambda: errors.append(_try(call)))
         t.start()
         t.join()
         return forward(inputs, meta)
 
     runner.forward = slow_forward
-    runner.step(SchedulerOutput(np.array([0]), np.array([3])))
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
-    assert "already running in another thread" in str(errors[0])
-    np.testing.assert_array_equal(st.num_computed_tokens_np[:1], device_truth(st)[:1])
+    return errors
 
 
 def _try(fn, *args):
@@ -156,3 +162,110 @@ def test_on_missing_error_never_runs_eager():
     assert st.num_computed_tokens_np[0] == 0 and device_truth(st)[0] == 0
     runner.step(SchedulerOutput(np.array([0]), np.array([10])))  # fits the mixed key
     assert st.num_computed_tokens_np[0] == 10
+
+
+def test_tokens_nobody_has_are_refused_before_anything_changes():
+    """A decode row runs its last token plus its drafts, a prefill row the rest of its prompt:
+    scheduling more would run positions on the token buffer's zeros."""
+    _, st, runner = make()
+    a = runner.add_request("a", [5, 9, 2, 7])
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens\[0\] = 5 .* expected <= 4 "
+                                         r"\(prefill row"):
+        runner.step(SchedulerOutput(np.array([a]), np.array([5])))
+    runner.step(SchedulerOutput(np.array([a]), np.array([4])))
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens\[0\] = 3 .* expected <= 1 "
+                                         r"\(decode row"):
+        runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    assert st.num_computed_tokens_np[a] == 4 and device_truth(st)[a] == 4
+    runner.step(SchedulerOutput(np.array([a]), np.array([1])))
+    assert st.num_computed_tokens_np[a] == 5
+
+
+@pytest.mark.parametrize("params", [dict(top_k=2 ** 63), dict(temperature=True),
+                                    dict(top_p=True), dict(top_k=True)])
+def test_bad_sampling_params_never_admit_a_request(params):
+    from graphattn import SamplingParams
+
+    with pytest.raises(ValueError, match="top_k|temperature|top_p"):
+        SamplingParams(**params)
+
+
+def test_apply_feedback_from_a_second_thread_is_refused_while_a_step_runs():
+    model, st, runner = make(policy=BucketPolicy(capture_sizes=(2, 4), decode_query_len=3,
+                                                 length_boundaries=(32,),
+                                                 mixed_token_sizes=(16,)))
+    a = runner.add_request("a", [1, 2, 3])
+    runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([3]), np.array([2])),
+                      draft_token_ids=[4, 5])
+    forward = runner.forward
+    errors = _during_forward(runner, lambda: runner.apply_feedback(out))
+    runner.step(SchedulerOutput(np.array([a]), np.array([1])), force_eager=True)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    runner.forward = forward
+    assert runner.apply_feedback(out).applied.all()  # applied once the step is done
+    np.testing.assert_array_equal(st.num_computed_tokens_np[:1], device_truth(st)[:1])
+
+
+def test_interrupt_at_the_lock_leaves_the_runner_usable(monkeypatch):
+    """An interrupt right after the runner is taken (before the step's body) releases it."""
+    _, st, runner = make()
+    a = runner.add_request("a", [1, 2, 3])
+    calls = {"n": 0}
+    real = st.batch_shape
+
+    def interrupted(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(st, "batch_shape", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    assert not torch.is_inference_mode_enabled()
+    runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    assert st.num_computed_tokens_np[a] == 3 and device_truth(st)[a] == 3
+
+
+def test_caches_smaller_than_the_state_are_refused_when_wrapping():
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32))
+    st = RequestState(4, 64, 8)
+    model.allocate_caches(st.num_kv_blocks - 1, 8)
+    with pytest.raises(ValueError, match=r"caches\[0\]: 32 blocks .* expected >= 33 blocks "
+                                         r"\(the state's num_kv_blocks = 32"):
+        GraphRunner(model, st)
+    model.allocate_caches(st.num_kv_blocks, 4)
+    with pytest.raises(ValueError, match="of 4 slots on cpu, expected .* of 8 slots"):
+        GraphRunner(model, st)
+
+
+@pytest.mark.parametrize("key", [(2, 2, 32, True), "reqs=2"])
+def test_a_key_that_is_no_graph_key_is_refused(key):
+    _, st, runner = make()
+    a = runner.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="key must be a GraphKey"):
+        runner.step(SchedulerOutput(np.array([a]), np.array([3])), key=key)
+    assert st.num_computed_tokens_np[a] == 0
+
+
+def test_runner_config_refuses_contradictions_and_bad_values():
+    from graphattn import CompileConfig
+    from graphattn.capture.dispatcher import GraphDispatcher
+
+    _, st, runner = make()
+    with pytest.raises(ValueError, match="give it or config.policy"):
+        GraphRunner(runner.forward, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(2,))),
+                    dispatcher=runner.dispatcher)
+    assert isinstance(runner.dispatcher, GraphDispatcher)
+    for bad, match in ((dict(sampling=1), "RunnerConfig.sampling must be a bool"),
+                       (dict(on_missing="skip"), "RunnerConfig.on_missing = 'skip'"),
+                       (dict(cudagraph_mode="fullish"), "RunnerConfig.cudagraph_mode"),
+                       (dict(policy=(1, 2)), "RunnerConfig.policy must be a BucketPolicy"),
+                       (dict(vocab_size=0), "RunnerConfig.vocab_size = 0"),
+                       (dict(compile="yes"), "RunnerConfig.compile must be")):
+        with pytest.raises(ValueError, match=match):
+            RunnerConfig(**bad)
+    with pytest.raises(ValueError, match="CompileConfig.mode = 'max-autotune' needs backend"):
+        CompileConfig(enabled=True, backend="eager", mode="max-autotune")
+    assert RunnerConfig(compile=True).compile == CompileConfig(enabled=True)
