@@ -147,13 +147,15 @@ class DeviceStep:
         advance (pure device work). `single`: every row has one token, row r's at index r,
         so the logits are the forward's own rows (no gather)."""
         ids = self.token_ids[batch.token_slots, batch.positions]
-        if spec:
-            ids = self._with_drafts(batch, ids)
+        if spec:  # each token's row and offset in it, shared by drafting and verification
+            offsets = self._offsets(batch, ids.shape[0])
+            ids = self._with_drafts(batch, ids, offsets)
         inputs = {"input_ids": ids, "positions": batch.positions, "req_slots": batch.req_slots}
         logits_all = forward({n: inputs[n] for n in self.static_input_names}, meta)
         seq = batch.seq_lens.long()
         if spec:
-            logits, sampled, logprobs, rejected, emitted = self._verify(batch, ids, logits_all)
+            logits, sampled, logprobs, rejected, emitted = self._verify(batch, ids, logits_all,
+                                                                        offsets)
             seq = seq - rejected
         else:
             qsl = batch.query_start_loc
@@ -179,12 +181,13 @@ class DeviceStep:
         return rows, torch.arange(t, device=batch.positions.device) - batch.query_start_loc.long(
         )[rows]
 
-    def _with_drafts(self, batch: InputBatch, ids: torch.Tensor) -> torch.Tensor:
+    def _with_drafts(self, batch: InputBatch, ids: torch.Tensor,
+                     offsets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`ids` with each row's drafts in place: the host's (in the packed buffer), else
         the proposer's, else those a device tensor left in `slot_drafts` (ids outside the
         vocabulary count as no draft); drafts are written to the token buffer."""
         t, k = ids.shape[0], self.decode_query_len - 1
-        rows, offset = self._offsets(batch, t)
+        rows, offset = offsets
         drafts = batch.draft_ids.long()
         if self.proposer is not None:
             qsl = batch.query_start_loc.long()
@@ -203,10 +206,11 @@ class DeviceStep:
         return ids
 
     def _verify(self, batch: InputBatch, ids: torch.Tensor,
-                logits_all: torch.Tensor) -> StepTensors:
+                logits_all: torch.Tensor,
+                offsets: tuple[torch.Tensor, torch.Tensor]) -> StepTensors:
         """Accept each row's drafts up to the first the target disagrees with."""
         t, width = ids.shape[0], self.decode_query_len
-        rows, offset = self._offsets(batch, t)
+        rows, offset = offsets
         qsl = batch.query_start_loc.long()
         num_drafts = batch.num_drafts.long()
         target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)

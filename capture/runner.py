@@ -406,11 +406,12 @@ class GraphRunner:
         st, dev = self.state, self.device_step
         piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
         full = key is not None and not piecewise  # replayed, or eager at the key's shapes
+        replayed = full and key in self.graphs
         st.advance_mirror(sched, shape.seq_lens_upper_bound)
         dev.advanced = False
         current = None if self._current is None else self._current()
         try:
-            with self.profiler.range("replay" if full and key in self.graphs else "eager", key):
+            with self.profiler.range("replay" if replayed else "eager", key):
                 if full:
                     outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs,
                                                      self._uploader, current)
@@ -428,7 +429,7 @@ class GraphRunner:
                 st.rewind_mirror(sched)
             raise
         mode = (CUDAGraphMode.PIECEWISE if piecewise else
-                CUDAGraphMode.FULL if full and key in self.graphs else CUDAGraphMode.NONE)
+                CUDAGraphMode.FULL if replayed else CUDAGraphMode.NONE)
         return outs, mode, current
 
     def apply_feedback(self, out: StepOutput) -> FeedbackResult:
