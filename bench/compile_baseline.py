@@ -41,7 +41,7 @@ from bench.graph_replay import (
     kv_bytes,
     weight_bytes,
 )
-from bench.setup import MODELS, fill_requests, make_setup, set_lengths
+from bench.setup import MODELS, add_shape_options, fill_requests, make_setup, set_lengths
 from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.state import SchedulerOutput
@@ -71,12 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", "--models", default="tiny",
                     help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
-    ap.add_argument("--sizes", default="1,8,32,128",
-                    help="comma-separated batch sizes (requests per step)")
-    ap.add_argument("--lengths", default="512,2048",
-                    help="comma-separated context lengths (tokens per request)")
-    ap.add_argument("--steps", type=int, default=100,
-                    help="timed steps per point")
+    add_shape_options(ap)
     ap.add_argument("--static-caches", action="store_true",
                     help="mark the KV caches and rotary frequencies as static addresses "
                          "(torch._dynamo.mark_static_address), as transformers' StaticCache "

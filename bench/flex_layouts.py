@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from bench.graph_replay import _error, event_times, hbm_bandwidth
-from bench.setup import MODELS
+from bench.setup import MODELS, add_shape_options
 from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.buckets import LengthBuckets
@@ -102,10 +102,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "--models", default="tiny",
                     help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
-    ap.add_argument("--sizes", default="1,8,32,128",
-                    help="comma-separated batch sizes (requests per step)")
-    ap.add_argument("--lengths", default="512,2048",
-                    help="comma-separated context lengths (tokens per request)")
+    add_shape_options(ap, steps=False)
     ap.add_argument("--out", default="bench/results",
                     help="folder for the result files")
     args = ap.parse_args()

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.setup import MODELS, fill_requests, make_setup, set_lengths
+from bench.setup import MODELS, add_shape_options, fill_requests, make_setup, set_lengths
 from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.profiling import StageProfiler
@@ -354,12 +354,7 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,1b",
                     help="comma-separated bench models: tiny, 1b (a Llama-3.2-1B shape)")
     ap.add_argument("--model", help="run one model in this process (used by the parent)")
-    ap.add_argument("--sizes", default="1,8,32,128",
-                    help="comma-separated batch sizes (requests per step)")
-    ap.add_argument("--lengths", default="512,2048",
-                    help="comma-separated context lengths (tokens per request)")
-    ap.add_argument("--steps", type=int, default=100,
-                    help="timed steps per point")
+    add_shape_options(ap)
     ap.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated modes to run")
     ap.add_argument("--out", default="bench/results",

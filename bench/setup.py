@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,3 +55,13 @@ def fill_requests(setup: Setup, n: int, lengths: np.ndarray, rng: np.random.Gene
         setup.runner.add_request(f"r{i}", rng.integers(0, setup.model.cfg.vocab_size,
                                                        int(lengths[i])))
     set_lengths(st, lengths[:n])
+
+
+def add_shape_options(ap: argparse.ArgumentParser, steps: bool = True) -> None:
+    """The decode-shape options the GPU benchmarks share: --sizes, --lengths (and --steps)."""
+    ap.add_argument("--sizes", default="1,8,32,128",
+                    help="comma-separated batch sizes (requests per step)")
+    ap.add_argument("--lengths", default="512,2048",
+                    help="comma-separated context lengths (tokens per request)")
+    if steps:
+        ap.add_argument("--steps", type=int, default=100, help="timed steps per point")
