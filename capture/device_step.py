@@ -66,7 +66,8 @@ class DeviceStep:
         int64 [max_num_reqs, max(decode_query_len - 1, 1)]: drafts given as a device
         tensor, waiting by slot until the step reads them.
     advanced : bool
-        The last call enqueued its device work (the truth's advance included).
+        The step's work may have advanced the device truth: set right before the advance
+        (the runner then keeps the step in the mirror, so the mirror stays >= the truth).
     """
 
     def __init__(self, forward: ModelForward, state: RequestState, builder: AttentionBuilder,
@@ -94,6 +95,11 @@ class DeviceStep:
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=dev)
         self.prompt_lens = torch.zeros(state.max_num_reqs, dtype=torch.int32, device=dev)
+        if proposer is not None and decode_query_len > 1:  # refused now, not at a step
+            one = torch.zeros(1, dtype=torch.int32, device=dev)
+            _check_proposed(proposer, proposer.propose(self.token_ids, one, one,
+                                                       decode_query_len - 1),
+                            (1, decode_query_len - 1), dev)
 
     def compilers(self) -> list[BucketCompiler]:
         """The compilers of this step (none unless compiled)."""
@@ -129,13 +135,10 @@ class DeviceStep:
         # one token per row, row r's at index r: the logits need no gather
         single = (key is not None and key.uniform_decode
                   and key.num_tokens_padded == key.num_reqs_padded)
-        if compiled:
-            outs = self.compiler(batch, meta, spec, single)
-        else:
-            outs = self._run(batch, meta, spec, single,
-                             self.piecewise if piecewise else self.forward)
-        self.advanced = True
-        return outs
+        if compiled:  # compiled code may advance the truth at any point of its run
+            self.advanced = True
+            return self.compiler(batch, meta, spec, single)
+        return self._run(batch, meta, spec, single, self.piecewise if piecewise else self.forward)
 
     def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
                       single: bool) -> StepTensors:
@@ -172,6 +175,8 @@ class DeviceStep:
         done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
         self.token_ids[batch.req_slots, col] = sampled
+        if not torch.compiler.is_compiling():
+            self.advanced = True  # from here on the step counts (the mirror keeps it)
         st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
         return logits, sampled, logprobs, rejected, emitted
 
@@ -193,6 +198,7 @@ class DeviceStep:
             qsl = batch.query_start_loc.long()
             last = batch.positions[qsl[:-1].clamp(max=max(t - 1, 0))]
             source = self.proposer.propose(self.token_ids, batch.req_slots, last, k)
+            _check_proposed(self.proposer, source, (batch.req_slots.shape[0], k), ids.device)
         else:
             source = self.slot_drafts[batch.req_slots]
         wanted = (offset >= 1) & (offset <= batch.num_drafts.long()[rows]) & (drafts < 0)
@@ -235,3 +241,16 @@ class DeviceStep:
         if self.sampler is None:  # greedy, no log-probabilities
             return logits.argmax(-1), None
         return self.sampler.sample(logits, slots, positions)
+
+
+def _check_proposed(proposer: DraftProposer, drafts: Any, want: tuple[int, int],
+                    device: torch.device) -> None:
+    """ValueError unless a proposer's drafts are an integer tensor of `want` on `device`."""
+    ok = (isinstance(drafts, torch.Tensor) and tuple(drafts.shape) == want
+          and drafts.device == device and not drafts.is_floating_point()
+          and not drafts.is_complex() and drafts.dtype != torch.bool)
+    if not ok:
+        got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}"
+               if isinstance(drafts, torch.Tensor) else type(drafts).__name__)
+        raise ValueError(f"{type(proposer).__name__}.propose returned {got}, expected an "
+                         f"integer tensor of shape {want} (rows, num_drafts) on {device}")

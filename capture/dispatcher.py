@@ -124,7 +124,9 @@ class GraphDispatcher:
     def dispatch_shape(self, shape: BatchShape) -> GraphKey | None:
         """`dispatch` of a BatchShape (a uniform flag for another query length counts as mixed)."""
         q = self.decode_query_len
-        uniform = shape.uniform_decode and shape.num_tokens == shape.num_reqs * q
+        # an empty batch (a dummy run) fits any key: the smallest uniform one when there is one
+        uniform = shape.num_reqs == 0 or (
+            shape.uniform_decode and shape.num_tokens == shape.num_reqs * q)
         return self.dispatch(shape.num_reqs, shape.num_tokens, shape.max_seq_len, uniform)
 
     @staticmethod
@@ -185,7 +187,7 @@ class GraphDispatcher:
     def _pick(self, num_reqs: int, num_tokens: int, bucket: int,
               uniform_decode: bool) -> GraphKey | None:
         if uniform_decode and self.capture_sizes_allowed:
-            r = pad_to_capture_size(num_reqs, self.capture_sizes)
+            r = pad_to_capture_size(max(num_reqs, 1), self.capture_sizes)
             if r is not None:
                 return GraphKey(r, r * self.decode_query_len, bucket, True)
         if self.mixed_token_sizes:

@@ -142,6 +142,9 @@ class CUDAGraphManager:
     recording : callable, optional
         ``recording()`` -> a context manager entered around the recorded run of each key,
         e.g. one in which compiles raise.
+    on_launch : callable, optional
+        ``on_launch()`` runs right before a captured graph is launched (the caller's mark
+        that the graph's work may have been enqueued).
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class CUDAGraphManager:
         on_missing: Literal["error", "eager"] = "error",
         warmup_iters: int = 1,
         recording: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+        on_launch: Callable[[], None] | None = None,
     ) -> None:
         if on_missing not in ("error", "eager"):
             raise ValueError(f"on_missing = {on_missing!r}, expected 'error' or 'eager'")
@@ -163,6 +167,7 @@ class CUDAGraphManager:
         self.on_missing = on_missing
         self.warmup_iters = warmup_iters
         self.recording = recording or contextlib.nullcontext
+        self.on_launch = on_launch
         self.use_graphs = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._captured: dict[GraphKey, _Captured] = {}
@@ -328,6 +333,8 @@ class CUDAGraphManager:
         self.num_replays += 1
         if cap.graph is None:
             return slice_outputs(self.forward(cap.inputs, key), out_rows)
+        if self.on_launch is not None:
+            self.on_launch()
         cap.graph.replay()
         if cap.sliced is None or cap.sliced[0] != out_rows:  # views of the static outputs
             cap.sliced = (out_rows, slice_outputs(cap.outputs, out_rows))

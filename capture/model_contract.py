@@ -12,8 +12,8 @@ from graphattn.config import INPUT_NAMES, RunnerConfig
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.state import RequestState
 
-__all__ = ["check_caches", "check_prompt", "check_sampling", "check_slots", "encode_request",
-           "static_input_names_of", "vocab_size_of"]
+__all__ = ["check_backend", "check_caches", "check_prompt", "check_sampling", "check_slots",
+           "encode_request", "model_dtype", "static_input_names_of", "vocab_size_of"]
 
 
 def vocab_size_of(forward: Any) -> int | None:
@@ -36,34 +36,85 @@ def static_input_names_of(forward: Any, config: RunnerConfig) -> tuple[str, ...]
     return tuple(names)
 
 
+def model_dtype(forward: Any) -> torch.dtype | None:
+    """The floating dtype of the model's first floating parameter (None without one)."""
+    for holder in (forward, getattr(forward, "model", None)):
+        if isinstance(holder, torch.nn.Module):
+            for p in holder.parameters():
+                if p.is_floating_point():
+                    return p.dtype
+    return None
+
+
 def check_caches(forward: Any, state: RequestState) -> None:
     """ValueError unless the model's paged caches (``forward.caches``: pairs of
     [blocks + 1, block_size, ...] tensors, when it has them) hold the state's blocks, at its
-    block size, on its device."""
+    block size, on its device, contiguous, in the model's dtype (a model cast after
+    `allocate_caches` is caught here)."""
     caches = getattr(forward, "caches", None)
     if not isinstance(caches, list | tuple):
         return
+    dtype, name = model_dtype(forward), type(forward).__name__
     for layer, pair in enumerate(caches):
         for cache in pair if isinstance(pair, list | tuple) else (pair,):
             if not isinstance(cache, torch.Tensor) or cache.dim() < 2:
                 continue
-            want = (state.num_kv_blocks + 1, state.block_size, state.device.type)
-            got = (cache.shape[0], cache.shape[1], cache.device.type)
-            if got[0] < want[0] or got[1:] != want[1:]:
+            want = (state.num_kv_blocks + 1, state.block_size, state.device)
+            got = (cache.shape[0], cache.shape[1], cache.device)
+            if got[0] < want[0] or got[1] != want[1] or not _same_device(got[2], want[2]):
                 raise ValueError(
-                    f"{type(forward).__name__}.caches[{layer}]: {got[0]} blocks (sink "
-                    f"included) of {got[1]} slots on {got[2]}, expected >= {want[0]} blocks "
-                    f"(the state's num_kv_blocks = {state.num_kv_blocks} + the sink) of "
-                    f"{want[1]} slots on {want[2]}")
+                    f"{name}.caches[{layer}]: {got[0]} blocks (sink included) of {got[1]} "
+                    f"slots on {got[2]}, expected >= {want[0]} blocks (the state's "
+                    f"num_kv_blocks = {state.num_kv_blocks} + the sink) of {want[1]} slots "
+                    f"on {want[2]}")
+            if not cache.is_contiguous():
+                raise ValueError(f"{name}.caches[{layer}]: strides {cache.stride()} for shape "
+                                 f"{tuple(cache.shape)}, expected a contiguous tensor")
+            if dtype is not None and cache.dtype != dtype:
+                raise ValueError(f"{name}.caches[{layer}]: dtype {cache.dtype}, expected the "
+                                 f"model's {dtype} (call allocate_caches after casting the "
+                                 "model)")
+
+
+def _same_device(got: torch.device, want: torch.device) -> bool:
+    """Same type, and the same index where the state names one (cuda = the current one)."""
+    if got.type != want.type:
+        return False
+    if want.type != "cuda":
+        return True
+    index = torch.cuda.current_device() if want.index is None else want.index
+    return got.index in (None, index)
+
+
+def check_backend(forward: Any, name: str, impl_cls: type) -> None:
+    """ValueError when the model cannot run the backend `name`: it lists the backends it
+    runs (``forward.backends``) without it, or its attention impl (``forward.impl``) is not
+    the backend's `impl_cls`."""
+    name_of = type(forward).__name__
+    backends = getattr(forward, "backends", None)
+    if backends is not None and name not in backends:
+        raise ValueError(f"RunnerConfig.backend = {name!r}, but {name_of} runs only "
+                         f"{tuple(backends)}")
+    impl = getattr(forward, "impl", None)
+    if impl is not None and not isinstance(impl, impl_cls):
+        raise ValueError(f"RunnerConfig.backend = {name!r} needs a {impl_cls.__name__}, but "
+                         f"{name_of}.impl is a {type(impl).__name__} (build the model with "
+                         f"the backend's impl)")
 
 
 def check_slots(forward: Any, state: RequestState) -> None:
-    """ValueError when the model holds per-request state for fewer slots than the state."""
+    """ValueError when the model holds per-request state for fewer slots than the state, or
+    takes fewer positions (``forward.max_positions``) than its max_model_len."""
     slots = getattr(forward, "max_num_reqs", None)
     if isinstance(slots, int) and slots < state.max_num_reqs:
         raise ValueError(f"{type(forward).__name__} holds per-request state for "
                          f"max_num_reqs = {slots} slots, expected >= the state's "
                          f"{state.max_num_reqs}")
+    positions = getattr(forward, "max_positions", None)
+    if isinstance(positions, int) and positions < state.max_model_len:
+        raise ValueError(f"the state's max_model_len = {state.max_model_len}, but "
+                         f"{type(forward).__name__} takes positions below {positions} only "
+                         "(its learned position table)")
 
 
 def check_prompt(req_id: str, prompt_token_ids: Any, vocab_size: int | None) -> np.ndarray:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from graphattn.capture.graphs import (
     slice_outputs,
 )
 from graphattn.capture.model_contract import (
+    check_backend,
     check_caches,
     check_prompt,
     check_sampling,
@@ -38,6 +38,7 @@ from graphattn.capture.model_contract import (
     static_input_names_of,
     vocab_size_of,
 )
+from graphattn.capture.ownership import Ownership
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.capture.step_output import OutputRings, StepOutput
@@ -61,6 +62,23 @@ from graphattn.transfer import (
 
 logger = logging.getLogger("graphattn")
 __all__ = ["GraphRunner", "StepOutput"]
+
+
+def _inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Inference mode entered and left in C (no interrupt splits it), where torch has that."""
+    guard = getattr(torch._C, "_InferenceMode", None)
+    return torch.inference_mode() if guard is None else guard(True)
+
+
+def _counted(error: BaseException, step: int) -> None:
+    """Say that an interrupted step counts: the mirror keeps it, the truth may have it."""
+    msg = (f"graphattn: step {step} was interrupted after its device work could advance the "
+           "device truth, so it counts: the CPU mirror includes it (an upper bound of the "
+           "truth) and its output is lost; GraphRunner.resync() makes the mirror exact "
+           "(one host sync) before the scheduler reads it again")
+    error.add_note(msg)
+    logger.warning("%s", msg)
+
 
 class GraphRunner:
     """A model runner that replays CUDA graphs from CPU upper bounds.
@@ -105,6 +123,7 @@ class GraphRunner:
         self.config, self.state = config, state
         self.static_input_names = static_input_names_of(forward, config)
         spec = get_backend(config.backend)
+        check_backend(forward, config.backend, spec.impl_cls)
         self.dispatcher = d = GraphDispatcher.for_runner(
             config, state.max_model_len, state.max_num_reqs, spec.capture_support, dispatcher)
         self.builder = resolve_builder(spec, BuilderContext(
@@ -117,7 +136,8 @@ class GraphRunner:
         warmup = 2 + (state.device.type != "cuda") if compiled else 1
         self.graphs = CUDAGraphManager(
             self._graph_forward, state.device, on_missing=config.on_missing,
-            warmup_iters=warmup, recording=self._steady_state if compiled else None)
+            warmup_iters=warmup, recording=self._steady_state if compiled else None,
+            on_launch=self._launching)
         self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
             self.dispatcher.piecewise_token_sizes) else None
         self.vocab_size = config.vocab_size or vocab_size_of(forward)
@@ -157,7 +177,7 @@ class GraphRunner:
         cuda = st.device.type == "cuda"
         self.padding = PaddingStats()
         self._plans: dict[GraphKey, BatchPlan] = {}
-        self._owner_lock, self._owner = threading.Lock(), None  # see _exclusive
+        self._own = Ownership("GraphRunner")
         self._staging = StagingRing(st.device)
         self._current = CurrentStream(st.device) if cuda else None
         overlap = self.config.overlap_copies and cuda
@@ -165,6 +185,9 @@ class GraphRunner:
         # tokens, rejections and emitted counts go to the host on one side stream
         self._outputs = OutputRings(st.max_num_reqs, st.device,
                                     self.dispatcher.decode_query_len, overlap)
+
+    def _launching(self) -> None:
+        self.device_step.advanced = True
 
     @contextlib.contextmanager
     def _steady_state(self) -> Iterator[None]:
@@ -189,7 +212,8 @@ class GraphRunner:
         prompt_token_ids : sequence of int
             1-D, each in [0, vocab_size) when the vocab size is known.
         block_ids : sequence of int, optional
-            Default: slot s owns blocks s*B .. s*B+B-1 (B = max_num_blocks_per_req).
+            Default: `RequestState.default_block_ids` (slot s: blocks s*B .. s*B+B-1,
+            B = max_num_blocks_per_req, unless a live request holds some of them).
         num_computed_tokens : int
             Prompt tokens already in the KV cache (prefix-cache hit, resume after
             preemption); the step schedules the rest.
@@ -208,9 +232,7 @@ class GraphRunner:
                              "requests")
         encoded = encode_request(self.forward, req_id, encoder_inputs)
         if block_ids is None:
-            free = int(np.flatnonzero(~st.active_np)[0])
-            b = st.max_num_blocks_per_req
-            block_ids = np.arange(free * b, (free + 1) * b)
+            block_ids = st.default_block_ids(int(ids.shape[0]))
         slot = st.add_request(req_id, int(ids.shape[0]), block_ids, num_computed_tokens)
         dev = self.device_step
         dev.token_ids[slot].zero_()  # nothing of the slot's previous occupant survives
@@ -228,8 +250,8 @@ class GraphRunner:
 
     def resync(self) -> None:
         """Restore the CPU mirror from the device truth after an interrupted step: one
-        explicit host sync (`RequestState.resync`), needed only when a step was interrupted
-        after its device work was enqueued and before it returned."""
+        explicit host sync (`RequestState.resync`), needed only after an exception whose
+        note says the step counts."""
         self.state.resync()
 
     # -- capture -----------------------------------------------------------
@@ -255,6 +277,8 @@ class GraphRunner:
         (RecompileError otherwise). With `progress`, a tqdm bar over the keys and a one-line
         summary logged to the "graphattn" logger.
         """
+
+        check_caches(self.forward, self.state)  # the model may have changed since
 
         def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
             return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
@@ -315,34 +339,21 @@ class GraphRunner:
         and the device truth advances by the accepted count. The CPU mirror stays an upper
         bound until `apply_feedback(out)` (any step later).
 
-        The step takes effect whole or not at all: the schedule is validated
-        before anything changes, and the CPU mirror advances with the device
-        work (rolled back if that work was never enqueued). One thread at a
-        time: a concurrent call raises RuntimeError.
+        The schedule is validated before anything changes. An exception (Ctrl-C included)
+        at any point leaves the runner usable and the CPU mirror >= the device truth:
+        raised before the step's work could advance the truth, the step never happened
+        (the mirror is restored); raised after, the step counts and the exception says so
+        in a note (its output is lost; `resync()` makes the mirror exact). One thread at
+        a time: a concurrent call raises RuntimeError.
         """
-        with self._exclusive("step()"), torch.inference_mode():  # a fresh guard per step
-            return self._step(sched, force_eager, key, group, draft_token_ids)
-
-    @contextlib.contextmanager
-    def _exclusive(self, what: str) -> Iterator[None]:
-        """Own the runner for one call (RuntimeError when a call already owns it).
-
-        Ownership is taken inside the ``try``: an interrupt at any point releases it.
-        """
-        me, busy = threading.get_ident(), False
+        self.device_step.advanced = False
         try:
-            with self._owner_lock:
-                if self._owner is not None:
-                    busy = True
-                    raise RuntimeError(f"GraphRunner.{what}: the runner is already running in "
-                                       "another thread (or re-entered); a runner and its "
-                                       "state are driven by one thread, one call at a time")
-                self._owner = me
-            yield
-        finally:
-            if not busy and self._owner == me:
-                self._owner = None
-
+            with self._own("step()"), _inference_mode():
+                return self._step(sched, force_eager, key, group, draft_token_ids)
+        except BaseException as e:
+            if self.device_step.advanced:
+                _counted(e, self.state.num_steps - 1)
+            raise
 
     def _step(self, sched: SchedulerOutput, force_eager: bool, given: GraphKey | None,
               group: Any, draft_token_ids: Any) -> StepOutput:
@@ -356,9 +367,12 @@ class GraphRunner:
             key = self._key(shape, force_eager, given, group)
         with prof.range("prepare"):
             plan = self._plan(sched, shape, key, drafts)
-        outs, mode, current = self._launch(sched, shape, key, plan)
+        if key is None and not sched.num_reqs:  # nothing to run, no key to run it padded
+            outs, mode, current = self._no_outputs(), CUDAGraphMode.NONE, None
+        else:
+            outs, mode, current = self._launch(sched, shape, key, plan)
         with prof.range("postprocess"):
-            out = self._outputs.of_step(self.state, sched, outs, key, mode, current,
+            out = self._outputs.of_step(st, sched, outs, key, mode, current,
                                         self.sampler is not None)
             self.padding.record(sched.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                                 plan.num_tokens_padded, shape.max_seq_len,
@@ -399,35 +413,42 @@ class GraphRunner:
                                                                            torch.int64)
         return plan
 
+    def _no_outputs(self) -> StepTensors:
+        """The device step's outputs for zero rows."""
+        dev, q = self.state.device, self.dispatcher.decode_query_len
+        sampled = torch.empty(0, dtype=torch.int64, device=dev)
+        return (torch.empty(0, self.vocab_size or 0, device=dev), sampled,
+                torch.empty(0, device=dev), torch.empty(0, dtype=torch.int32, device=dev),
+                sampled.view(0, 1).expand(0, q))
+
     def _launch(self, sched: SchedulerOutput, shape: BatchShape, key: GraphKey | None,
                 plan: BatchPlan) -> tuple[StepTensors, CUDAGraphMode, Any]:
-        """Advance the mirror and enqueue the device work (the mirror is rewound when that
-        work was never enqueued)."""
+        """Advance the mirror and enqueue the device work (the mirror is restored when the
+        work never reached the truth's advance)."""
         st, dev = self.state, self.device_step
         piecewise = self.piecewise is not None and self.dispatcher.is_piecewise(key)
         full = key is not None and not piecewise  # replayed, or eager at the key's shapes
         replayed = full and key in self.graphs
-        st.advance_mirror(sched, shape.seq_lens_upper_bound)
-        dev.advanced = False
         current = None if self._current is None else self._current()
+        saved = st.checkpoint(sched)
         try:
+            st.advance_mirror(sched, shape.seq_lens_upper_bound)
             with self.profiler.range("replay" if replayed else "eager", key):
                 if full:
                     outs = self.graphs.replay_packed(key, "packed", plan.packed, sched.num_reqs,
                                                      self._uploader, current)
-                    dev.advanced = True
                 else:
                     packed = to_device(plan.packed, st.device)
                     with (self.piecewise.at_tokens(key.num_tokens_padded) if piecewise
                           else contextlib.nullcontext()):
                         outs = dev(packed, plan, key if piecewise else None, piecewise)
                     outs = slice_outputs(outs, sched.num_reqs)
-            # its copy to the device is enqueued
-            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan, current)
         except BaseException:
             if not dev.advanced:
-                st.rewind_mirror(sched)
+                st.restore(saved)
             raise
+        finally:  # the plan's copy to the device is enqueued (or never will be)
+            self._staging.release((plan.num_reqs_padded, plan.num_tokens_padded), plan, current)
         mode = (CUDAGraphMode.PIECEWISE if piecewise else
                 CUDAGraphMode.FULL if replayed else CUDAGraphMode.NONE)
         return outs, mode, current
@@ -437,7 +458,9 @@ class GraphRunner:
 
         Waits for that step's rejected counts (its event only), then applies them
         row by row: rows whose request finished or was preempted since are
-        refused as stale, a second application as duplicate.
+        refused as stale, a second application as duplicate. Steps' feedback applies in
+        any order, each once; another runner's output raises ValueError. Applied whole or
+        not at all, even when interrupted.
         """
         if not isinstance(out, StepOutput):
             raise ValueError(f"out must be a StepOutput, got {type(out).__name__}")
@@ -445,6 +468,6 @@ class GraphRunner:
             raise ValueError("this step had no drafts: nothing to apply")
         rejected = out.rejected_host.wait().astype(np.int32)
         fb = out.feedback
-        with self._exclusive("apply_feedback()"):
+        with self._own("apply_feedback()"):
             return apply_rejections(self.state, RejectionFeedback(
-                fb.req_slots, fb.num_draft_tokens, rejected, fb.generations, fb.step))
+                fb.req_slots, fb.num_draft_tokens, rejected, fb.generations, fb.step, fb.origin))

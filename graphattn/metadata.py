@@ -77,10 +77,11 @@ class CommonAttentionMetadata:
         for name in ("query_start_loc_cpu", "seq_lens_cpu_upper_bound"):
             if getattr(self, name).device.type != "cpu":
                 raise ValueError(f"{name} must be on CPU, got {getattr(self, name).device}")
-        if self.block_table_tensor.ndim != 2 or self.block_table_tensor.shape[0] != n:
+        bt = self.block_table_tensor
+        if bt.ndim != 2 or bt.shape[0] != n or bt.shape[1] < 1:
             raise ValueError(
-                f"block_table_tensor has shape {tuple(self.block_table_tensor.shape)}, "
-                f"expected ({n}, max_num_blocks)"
+                f"block_table_tensor has shape {tuple(bt.shape)}, expected ({n}, "
+                "max_num_blocks) with max_num_blocks >= 1"
             )
         qsl = self.query_start_loc_cpu.numpy()
         qlens = np.diff(qsl)

@@ -39,7 +39,9 @@ class RejectionFeedback:
     step : int, optional
         The step's id (`RequestState.num_steps` before it advanced). With
         `generations`, feedback is checked row by row (`apply_rejections`).
-        `RejectionFeedback.of_step` fills both.
+    origin : int, optional
+        `RequestState.uid` of the state the step ran on (feedback of another state
+        is refused). `RejectionFeedback.of_step` fills all three.
     """
 
     req_slots: np.ndarray
@@ -47,6 +49,7 @@ class RejectionFeedback:
     num_rejected_tokens: np.ndarray
     generations: np.ndarray | None = None
     step: int | None = None
+    origin: int | None = None
 
     def __post_init__(self) -> None:
         self.req_slots = as_int32_array("req_slots", self.req_slots, 0)
@@ -78,7 +81,7 @@ class RejectionFeedback:
         if sched.num_draft_tokens is None:
             raise ValueError("sched has no num_draft_tokens: nothing to verify")
         return cls(sched.req_slots, sched.num_draft_tokens, num_rejected_tokens,
-                   state.generation_np[sched.req_slots], state.num_steps - 1)
+                   state.generation_np[sched.req_slots], state.num_steps - 1, state.uid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +95,9 @@ class FeedbackResult:
     stale : np.ndarray
         bool [n]: refused, the slot now holds another request (or none).
     duplicate : np.ndarray
-        bool [n]: refused, this step's feedback was applied already (or drafts
-        beyond those awaiting verification).
+        bool [n]: refused, this step's feedback was applied already, or the step awaits
+        none (`RequestState.resync` counted it), or drafts beyond those awaiting
+        verification.
     """
 
     applied: np.ndarray
@@ -127,45 +131,67 @@ def apply_rejections(state: RequestState, feedback: RejectionFeedback) -> Feedba
 
     Feedback with generations and a step id (`RejectionFeedback.of_step`) is
     checked row by row: a row of a request that finished or was preempted
-    (another generation in the slot) is refused as stale, a row whose step was
-    applied already is refused as a duplicate, and the live rows are applied.
-    Feedback without them must be exact for every row, or it is refused whole.
+    (another generation in the slot) is refused as stale, a row of a step whose
+    feedback was applied already (or that awaits none) as a duplicate, and the live
+    rows are applied. Steps' feedback applies in any order, each once. Feedback
+    without them must be exact for every row, or it is refused whole. Applied
+    whole or not at all, even when interrupted.
 
     Raises
     ------
     ValueError
-        Feedback without generations naming a free slot, or more drafts than
-        await verification (applied twice, or another request's).
+        Feedback of another state; feedback without generations naming a free
+        slot, or more drafts than await verification (applied twice, or another
+        request's).
     """
+    if feedback.origin is not None and feedback.origin != state.uid:
+        raise ValueError(f"feedback of the state with uid {feedback.origin}, applied to the "
+                         f"state with uid {state.uid}: a step's output goes back to the "
+                         "runner that ran it")
     slots = feedback.req_slots
-    n = slots.shape[0]
-    none = np.zeros(n, dtype=bool)
-    if n == 0:
+    none = np.zeros(slots.shape[0], dtype=bool)
+    if slots.shape[0] == 0:
         return FeedbackResult(none, none, none)
     if (slots >= state.max_num_reqs).any():
         raise ValueError(f"req_slots must be in [0, {state.max_num_reqs}), got {slots.tolist()}")
-    pending = state.num_pending_drafts_np[slots]
-    over = feedback.num_draft_tokens > pending
+    over = feedback.num_draft_tokens > state.num_pending_drafts_np[slots]
     if feedback.generations is None:
-        if not state.active_np[slots].all():
-            raise ValueError(
-                f"req_slots {slots[~state.active_np[slots]].tolist()} hold no request")
-        if over.any():
-            i = int(np.argmax(over))
-            raise ValueError(
-                f"slot {slots[i]}: feedback for {feedback.num_draft_tokens[i]} drafts, but only "
-                f"{pending[i]} await verification"
-            )
-        ok = ~none
-        stale = dup = none
+        _check_exact(state, slots, feedback.num_draft_tokens, over)
+        ok, stale, dup = ~none, none, none
     else:
         stale = ~state.active_np[slots] | (state.generation_np[slots] != feedback.generations)
-        dup = ~stale & ((state.last_feedback_step_np[slots] >= feedback.step) | over)
+        dup = ~stale & (over | (feedback.step not in state.awaiting_feedback))
         ok = ~stale & ~dup
-        state.last_feedback_step_np[slots[ok]] = feedback.step
-    state.num_pending_drafts_np[slots[ok]] -= feedback.num_draft_tokens[ok]
-    state.num_computed_tokens_np[slots[ok]] -= feedback.num_rejected_tokens[ok]
+    _correct(state, slots[ok], feedback.num_draft_tokens[ok],
+             feedback.num_rejected_tokens[ok], feedback.step)
     return FeedbackResult(ok, stale, dup)
+
+
+def _check_exact(state: RequestState, slots: np.ndarray, drafts: np.ndarray,
+                 over: np.ndarray) -> None:
+    if not state.active_np[slots].all():
+        raise ValueError(f"req_slots {slots[~state.active_np[slots]].tolist()} hold no request")
+    if over.any():
+        i = int(np.argmax(over))
+        raise ValueError(f"slot {slots[i]}: feedback for {drafts[i]} drafts, but only "
+                         f"{state.num_pending_drafts_np[slots[i]]} await verification")
+
+
+def _correct(state: RequestState, slots: np.ndarray, drafts: np.ndarray, rejected: np.ndarray,
+             step: int | None) -> None:
+    """The mirror's correction, undone if interrupted part-way."""
+    saved = (state.num_pending_drafts_np[slots], state.num_computed_tokens_np[slots],
+             step in state.awaiting_feedback)
+    try:
+        state.awaiting_feedback.discard(step)
+        state.num_pending_drafts_np[slots] -= drafts
+        state.num_computed_tokens_np[slots] -= rejected
+        state.prune_feedback()
+    except BaseException:
+        state.num_pending_drafts_np[slots], state.num_computed_tokens_np[slots] = saved[:2]
+        if saved[2]:
+            state.awaiting_feedback.add(step)
+        raise
 
 
 def check_drafts(state: RequestState, sched: SchedulerOutput, draft_token_ids: Any,

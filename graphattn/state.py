@@ -9,6 +9,7 @@ speculative decoding both agree; with it the mirror is an upper bound until
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,11 @@ from graphattn.keys import BatchShape
 from graphattn.sync import note_host_read
 from graphattn.transfer import to_device
 
-__all__ = ["RequestState", "SchedulerOutput"]
+__all__ = ["MirrorCheckpoint", "RequestState", "SchedulerOutput"]
+
+# generations and state ids: unique in the process, so a step's feedback never matches
+# another state's request (or another runner's)
+_UNIQUE_IDS = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -78,6 +83,23 @@ class SchedulerOutput:
         return int(self.num_scheduled_tokens.sum())
 
 
+@dataclass(frozen=True, slots=True)
+class MirrorCheckpoint:
+    """The mirror's rows of one schedule and the step count, before a step advanced them.
+
+    Attributes
+    ----------
+    req_slots, num_computed_tokens, num_pending_drafts : np.ndarray
+        int32 [num_reqs] (copies).
+    num_steps : int
+    """
+
+    req_slots: np.ndarray
+    num_computed_tokens: np.ndarray
+    num_pending_drafts: np.ndarray
+    num_steps: int
+
+
 class RequestState:
     """Fixed-capacity table of live requests.
 
@@ -118,12 +140,17 @@ class RequestState:
         int64 [max_num_reqs]: tokens a request may reach now, min(its blocks x
         block_size, max_model_len); -1 for a free slot (kept by add / append / remove).
     generation_np : np.ndarray
-        int64 [max_num_reqs]: a number no other request of this state had,
+        int64 [max_num_reqs]: a number no other request in the process had,
         given at admission (late feedback of a slot's previous occupant is told
         apart by it).
     num_steps : int
         Steps advanced so far (`advance_mirror` calls); a step's id is the value
         before its advance.
+    awaiting_feedback : set of int
+        Ids of the steps with drafts whose rejected counts have not been applied yet
+        (`graphattn.spec_decode.apply_rejections` takes them in any order, each once).
+    uid : int
+        A number no other state in the process has (feedback carries it).
 
     Not thread-safe: one thread drives a state (the runner refuses concurrent steps).
     """
@@ -158,11 +185,11 @@ class RequestState:
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_pending_drafts_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.generation_np = np.zeros(max_num_reqs, dtype=np.int64)
-        self.last_feedback_step_np = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.awaiting_feedback: set[int] = set()
+        self.uid = next(_UNIQUE_IDS)
         self.active_np = np.zeros(max_num_reqs, dtype=bool)
         self.capacity_np = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_steps = 0
-        self._next_generation = 1
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
         self.block_table = torch.full((max_num_reqs, self.max_num_blocks_per_req),
                                       self.num_kv_blocks, dtype=torch.int32, device=self.device)
@@ -215,9 +242,7 @@ class RequestState:
         self.num_prompt_tokens_np[slot] = num_prompt_tokens
         self.num_computed_tokens_np[slot] = num_computed_tokens
         self.num_pending_drafts_np[slot] = 0
-        self.generation_np[slot] = self._next_generation
-        self._next_generation += 1
-        self.last_feedback_step_np[slot] = -1
+        self.generation_np[slot] = next(_UNIQUE_IDS)
         self.num_blocks_np[slot] = blocks.shape[0]
         self._set_capacity(slot)
         self.block_table_np[slot] = self.num_kv_blocks
@@ -225,6 +250,35 @@ class RequestState:
         self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
         self.num_computed_tokens[slot : slot + 1].fill_(num_computed_tokens)
         return slot
+
+    def default_block_ids(self, num_prompt_tokens: int) -> np.ndarray:
+        """Blocks for a new request when the caller gives none: the next free slot's own
+        range (slot s: s*B .. s*B+B-1, B = max_num_blocks_per_req) when no live request
+        holds any of it, else the lowest free ones (B of them, or as many as are free when
+        they hold the prompt).
+
+        Raises
+        ------
+        ValueError
+            Not enough free blocks for the prompt.
+        """
+        b = self.max_num_blocks_per_req
+        free = np.flatnonzero(~self.active_np)
+        slot = int(free[0]) if free.size else 0
+        held = np.zeros(self.num_kv_blocks + 1, dtype=bool)
+        cols = np.arange(b)
+        held[self.block_table_np[self.active_np][cols < self.num_blocks_np[self.active_np][
+            :, None]]] = True
+        own = np.arange(slot * b, (slot + 1) * b)
+        if own[-1] < self.num_kv_blocks and not held[own].any():
+            return own
+        unheld = np.flatnonzero(~held[: self.num_kv_blocks])[:b]
+        need = -(-num_prompt_tokens // self.block_size)
+        if unheld.size < need:
+            raise ValueError(f"no block_ids given and {unheld.size} of {self.num_kv_blocks} "
+                             f"blocks are free, expected >= {need} for a prompt of "
+                             f"{num_prompt_tokens} tokens")
+        return unheld
 
     def _check_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray, have: int,
                       tokens: int) -> np.ndarray:
@@ -289,6 +343,7 @@ class RequestState:
         self.num_pending_drafts_np[slot] = 0
         self.num_blocks_np[slot] = 0
         self.capacity_np[slot] = -1
+        self.prune_feedback()
         return slot
 
     def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -371,37 +426,50 @@ class RequestState:
         """CPU half of `postprocess`: advance the mirror optimistically (numpy only).
 
         `bound`: the schedule's `BatchShape.seq_lens_upper_bound` when the caller has it
-        (the mirror's new values).
+        (the mirror's new values). A step with drafts awaits its feedback.
         """
         slots = sched.req_slots
         if bound is None:
             self.num_computed_tokens_np[slots] += sched.num_scheduled_tokens
         else:
             self.num_computed_tokens_np[slots] = bound
-        if sched.num_draft_tokens is not None:
+        if sched.num_draft_tokens is not None and sched.num_draft_tokens.any():
             self.num_pending_drafts_np[slots] += sched.num_draft_tokens
+            self.awaiting_feedback.add(self.num_steps)
         self.num_steps += 1
 
-    def rewind_mirror(self, sched: SchedulerOutput) -> None:
-        """Undo `advance_mirror(sched)` (a step whose device work was never enqueued)."""
-        slots = sched.req_slots  # unique: the fancy-indexed updates invert exactly
-        self.num_computed_tokens_np[slots] -= sched.num_scheduled_tokens
-        if sched.num_draft_tokens is not None:
-            self.num_pending_drafts_np[slots] -= sched.num_draft_tokens
-        self.num_steps -= 1
+    def checkpoint(self, sched: SchedulerOutput) -> MirrorCheckpoint:
+        """What `advance_mirror(sched)` may change, for `restore` (numpy copies)."""
+        slots = sched.req_slots
+        return MirrorCheckpoint(slots, self.num_computed_tokens_np[slots],
+                                self.num_pending_drafts_np[slots], self.num_steps)
+
+    def restore(self, saved: MirrorCheckpoint) -> None:
+        """Undo whatever part of `advance_mirror` ran after `saved` was taken (a step whose
+        device work was never enqueued)."""
+        self.num_computed_tokens_np[saved.req_slots] = saved.num_computed_tokens
+        self.num_pending_drafts_np[saved.req_slots] = saved.num_pending_drafts
+        self.awaiting_feedback.discard(saved.num_steps)
+        self.num_steps = saved.num_steps
 
     def resync(self) -> None:
         """Set the CPU mirror to the device truth: one explicit, documented host sync.
 
-        For recovery only (after a step was interrupted between its device work
-        and the mirror's advance); every pending draft is then counted as
-        verified, so late feedback of earlier steps is refused as stale.
+        For recovery only (after a step was interrupted once its device work was
+        enqueued); every pending draft is then counted as verified, so late feedback
+        of earlier steps is refused as a duplicate.
         """
         note_host_read("RequestState.resync()")
         truth = self.num_computed_tokens.to("cpu").numpy()
         self.num_computed_tokens_np[self.active_np] = truth[self.active_np]
         self.num_pending_drafts_np[:] = 0
-        self.last_feedback_step_np[:] = self.num_steps
+        self.awaiting_feedback.clear()
+
+    def prune_feedback(self) -> None:
+        """Forget awaited steps once no live request has drafts pending (their feedback
+        could correct nothing)."""
+        if self.awaiting_feedback and not self.num_pending_drafts_np[self.active_np].any():
+            self.awaiting_feedback.clear()
 
     def advance_device(self, req_slots: torch.Tensor, num_scheduled: torch.Tensor,
                        num_rejected: torch.Tensor | None = None) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphattn.checks import as_index
 from graphattn.metadata import CommonAttentionMetadata
 
 __all__ = [
@@ -202,9 +203,15 @@ def maybe_create_ubatch_slices(
         then appears in both neighbours. Padded rows go to the last micro-batch.
     """
     qsl = np.asarray(query_start_loc_np)
-    if num_ubatches < 1:
-        raise ValueError(f"num_ubatches = {num_ubatches}, expected >= 1")
-    total = int(qsl[-1]) if num_tokens_padded is None else num_tokens_padded
+    if qsl.ndim != 1 or qsl.shape[0] < 1 or (qsl.size and qsl.dtype.kind not in "iu"):
+        raise ValueError(f"query_start_loc_np must be 1-D integer with num_reqs_padded + 1 >= 1 "
+                         f"entries, got shape {qsl.shape} dtype {qsl.dtype}")
+    if qsl[0] != 0 or (np.diff(qsl) < 0).any():
+        raise ValueError(f"query_start_loc_np must start at 0 and never decrease, got "
+                         f"{qsl[:16].tolist()}")
+    num_ubatches = as_index("num_ubatches", num_ubatches, 1)
+    total = int(qsl[-1]) if num_tokens_padded is None else as_index(
+        "num_tokens_padded", num_tokens_padded, 0)
     if total < int(qsl[-1]):
         raise ValueError(f"num_tokens_padded = {total} is below the real tokens {int(qsl[-1])}")
     if num_ubatches == 1 or total < num_ubatches:

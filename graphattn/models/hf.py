@@ -24,7 +24,7 @@ from torch import nn
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 from graphattn.backends.reference import allocate_kv_cache
 
-__all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported"]
+__all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported", "learned_positions"]
 
 ATTN_NAME = "graphattn_paged"
 # model_type -> checked against the model's own generate() token for token (tests)
@@ -85,20 +85,46 @@ def _register() -> None:
     AttentionInterface.register(ATTN_NAME, _graphattn_attention)
 
 
+def _check_inference(model: nn.Module) -> None:
+    if model.training:
+        raise ValueError(f"{type(model).__name__} is in training mode (dropout on): call "
+                         "model.eval() before serving it")
+
+
+def learned_positions(model: nn.Module) -> int | None:
+    """Positions a model with learned absolute position embeddings can take (GPT-2's
+    ``n_positions``), or None when its positions are not a table (rotary, ALiBi)."""
+    sizes = [m.num_embeddings for name, m in model.named_modules()
+             if isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in (
+                 "wpe", "embed_positions", "position_embeddings")]
+    return min(sizes) if sizes else None
+
+
 class HFCausalLM:
     """`graphattn.capture.runner.ModelForward` around a transformers causal LM.
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        A causal LM of the `SUPPORTED` families, run through its own forward;
-        others are refused (`check_supported`).
+        A causal LM of the `SUPPORTED` families in eval mode, run through its own
+        forward (the wrapper changes nothing of it); others are refused
+        (`check_supported`).
+
+    Attributes
+    ----------
+    max_positions : int or None
+        Positions its learned position table holds (the runner refuses a longer
+        max_model_len); None for rotary models.
     """
+
+    backends = ("paged",)
 
     def __init__(self, model: nn.Module) -> None:
         self.check(model)
+        _check_inference(model)
         _register()
-        self.model = model.eval()
+        self.model = model
+        self.max_positions = learned_positions(model)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -134,6 +160,10 @@ class HFCausalLM:
                  attn_metadata: PagedAttentionMetadata) -> torch.Tensor:
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
+        _check_inference(self.model)
+        if self.caches[0][0].dtype != self.model.dtype:
+            raise ValueError(f"KV caches are {self.caches[0][0].dtype} but the model is now "
+                             f"{self.model.dtype}: call allocate_caches after casting the model")
         cfg = self.model.config
         user_impl = cfg._attn_implementation
         user_experts = getattr(cfg, "_experts_implementation", None)

@@ -20,7 +20,8 @@ from torch import nn
 from graphattn.backends.cross import CrossAttentionImpl, cached_cross_metadata
 from graphattn.backends.paged import PagedAttentionMetadata
 from graphattn.backends.reference import allocate_kv_cache, write_to_cache
-from graphattn.models.hf import ATTN_NAME, HFCausalLM
+from graphattn.checks import as_index
+from graphattn.models.hf import ATTN_NAME, HFCausalLM, learned_positions
 
 __all__ = ["ENCODER_DECODER_SUPPORTED", "HFEncoderDecoder"]
 
@@ -54,13 +55,13 @@ class HFEncoderDecoder(HFCausalLM):
     def __init__(self, model: nn.Module, max_num_reqs: int) -> None:
         super().__init__(model)
         cfg = model.config
-        if max_num_reqs < 1:
-            raise ValueError(f"max_num_reqs = {max_num_reqs}, expected >= 1")
+        max_num_reqs = as_index("max_num_reqs", max_num_reqs, 1, 1 << 20)
         self.num_layers = cfg.decoder_layers
         self.num_heads = self.num_kv_heads = cfg.decoder_attention_heads
         self.head_dim = cfg.d_model // self.num_heads
         self.max_num_reqs = max_num_reqs
         self.max_encoder_len = cfg.max_source_positions
+        self.max_positions = learned_positions(model.model.decoder)
         layers = model.model.decoder.layers
         self.cross_layer_of = {id(layer.encoder_attn): i for i, layer in enumerate(layers)}
         self._cross_impls: dict[float, CrossAttentionImpl] = {}
@@ -111,9 +112,13 @@ class HFEncoderDecoder(HFCausalLM):
         if not self.cross_caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         cfg = self.model.config
-        x = torch.as_tensor(np.asarray(encoder_inputs) if not torch.is_tensor(encoder_inputs)
-                            else encoder_inputs)
         want = (cfg.num_mel_bins, 2 * cfg.max_source_positions)
+        x = encoder_inputs if torch.is_tensor(encoder_inputs) else np.asarray(encoder_inputs)
+        floating = x.is_floating_point() if torch.is_tensor(x) else x.dtype.kind == "f"
+        if not floating:
+            raise ValueError(f"encoder_inputs must be float input features of shape {want}, got "
+                             f"{type(encoder_inputs).__name__} of dtype {x.dtype}")
+        x = torch.as_tensor(x)
         if x.dim() == 3 and x.shape[0] == 1:
             x = x[0]
         if tuple(x.shape) != want or not x.is_floating_point():

@@ -134,7 +134,7 @@ def test_missing_graph_error_and_bad_config():
         runner.step(SchedulerOutput(np.array([0]), np.array([3])))
     with pytest.raises(ValueError, match="static_input_names = .*'pixels'.*expected a subset"):
         GraphRunner(model, st, RunnerConfig(static_input_names=("input_ids", "pixels")))
-    with pytest.raises(ValueError, match="backend 'cross'.*pass builder="):
+    with pytest.raises(ValueError, match="backend = 'cross' needs a CrossAttentionImpl"):
         GraphRunner(model, st, RunnerConfig(backend="cross"))
     with pytest.raises(ValueError, match="unknown backend 'pagd'"):
         GraphRunner(model, st, RunnerConfig(backend="pagd"))

@@ -269,3 +269,115 @@ def test_runner_config_refuses_contradictions_and_bad_values():
     with pytest.raises(ValueError, match="CompileConfig.mode = 'max-autotune' needs backend"):
         CompileConfig(enabled=True, backend="eager", mode="max-autotune")
     assert RunnerConfig(compile=True).compile == CompileConfig(enabled=True)
+
+
+def spec_runner():
+    return make(policy=BucketPolicy(capture_sizes=(2, 4), decode_query_len=3,
+                                    length_boundaries=(32,), mixed_token_sizes=(16,)))
+
+
+def test_feedback_of_steps_applies_in_any_order():
+    _, st, runner = spec_runner()
+    a = runner.add_request("a", [1, 2, 3])
+    runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    sched = SchedulerOutput(np.array([a]), np.array([3]), np.array([2]))
+    first = runner.step(sched, draft_token_ids=[60, 61])
+    second = runner.step(sched, draft_token_ids=[62, 63])
+    assert runner.apply_feedback(second).applied.all()
+    assert runner.apply_feedback(first).applied.all()  # was refused as a duplicate
+    assert st.num_pending_drafts_np[a] == 0
+    np.testing.assert_array_equal(st.num_computed_tokens_np[:1], device_truth(st)[:1])
+    assert runner.apply_feedback(first).duplicate.all()
+
+
+def test_another_runners_output_is_refused():
+    _, st_a, runner_a = spec_runner()
+    _, st_b, runner_b = spec_runner()
+    for r in (runner_a, runner_b):
+        r.add_request("a", [1, 2, 3])
+        r.step(SchedulerOutput(np.array([0]), np.array([3])))
+    sched = SchedulerOutput(np.array([0]), np.array([3]), np.array([2]))
+    out_a = runner_a.step(sched, draft_token_ids=[60, 61])
+    runner_b.step(sched, draft_token_ids=[60, 61])
+    before = st_b.num_computed_tokens_np.copy()
+    with pytest.raises(ValueError, match="feedback of the state with uid"):
+        runner_b.apply_feedback(out_a)
+    np.testing.assert_array_equal(st_b.num_computed_tokens_np, before)
+
+
+def test_an_interrupt_right_after_the_device_advance_counts_the_step(monkeypatch):
+    """Ctrl-C just after the truth advanced: the step counts (the mirror keeps it and the
+    exception says so); it never looks rolled back with the truth ahead of the mirror."""
+    _, st, runner = make()
+    a = runner.add_request("a", [1, 2, 3, 4])
+    real = st.advance_device
+
+    def advance_then_interrupt(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(st, "advance_device", advance_then_interrupt)
+    with pytest.raises(KeyboardInterrupt) as info:
+        runner.step(SchedulerOutput(np.array([a]), np.array([4])))
+    assert any("so it counts" in note for note in info.value.__notes__)
+    assert st.num_computed_tokens_np[a] == 4 == device_truth(st)[a] and st.num_steps == 1
+    monkeypatch.undo()
+    runner.resync()
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([1])))
+    assert st.num_computed_tokens_np[a] == 5 == device_truth(st)[a]
+    assert out.sampled.shape == (1,)
+
+
+def test_caches_of_another_dtype_or_layout_are_refused_when_wrapping():
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).double()
+    st = RequestState(4, 64, 8)
+    model.allocate_caches(st.num_kv_blocks, 8)
+    model.float()  # cast after the caches were made
+    with pytest.raises(ValueError, match=r"caches\[0\]: dtype torch.float64, expected the "
+                                         r"model's torch.float32"):
+        GraphRunner(model, st)
+    model.allocate_caches(st.num_kv_blocks, 8)
+    k, v = model.caches[0]
+    model.caches[0] = (k.transpose(2, 3), v)  # a view the kernels would misread
+    with pytest.raises(ValueError, match=r"caches\[0\]: strides .* expected a contiguous"):
+        GraphRunner(model, st)
+
+
+def test_default_blocks_avoid_blocks_given_to_another_request():
+    _, st, runner = make()
+    runner.add_request("x", [1, 2, 3], block_ids=range(8, 16))  # slot 0, slot 1's own range
+    slot = runner.add_request("y", [1, 2, 3])
+    assert slot == 1 and set(st.block_table_np[1]).isdisjoint(range(8, 16))
+    runner.step(SchedulerOutput(np.array([0, 1]), np.array([3, 3])))
+
+
+def test_an_empty_schedule_runs_without_mixed_keys():
+    _, st, runner = make(policy=BucketPolicy(capture_sizes=(2, 4), length_boundaries=(32,),
+                                             mixed_token_sizes=()))
+    runner.capture(progress=False)
+    empty = SchedulerOutput(np.array([], np.int32), np.array([], np.int32))
+    assert runner.step(empty).key.uniform_decode  # a dummy run of the smallest key
+    out = runner.step(empty, force_eager=True)
+    assert out.key is None and out.sampled.shape == (0,) and len(out.sampled_host.wait()) == 0
+
+
+def test_a_backend_the_model_cannot_run_is_refused_when_wrapping():
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32))
+    st = RequestState(4, 64, 8)
+    model.allocate_caches(st.num_kv_blocks, 8)
+    with pytest.raises(ValueError, match=r"backend = 'flex' needs a FlexAttentionImpl, but "
+                                         r"TinyDecoder.impl is a PagedAttentionImpl"):
+        GraphRunner(model, st, RunnerConfig(backend="flex"))
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "list"])
+def test_a_proposer_returning_the_wrong_drafts_is_refused_when_wrapping(bad):
+    class Proposer:
+        def propose(self, token_ids, req_slots, last_positions, num_drafts):
+            n = req_slots.shape[0]
+            return {"shape": torch.zeros(n, num_drafts + 1, dtype=torch.int64),
+                    "dtype": torch.zeros(n, num_drafts), "list": [0] * n}[bad]
+
+    with pytest.raises(ValueError, match=r"Proposer.propose returned .*, expected an integer "
+                                         r"tensor of shape \(1, 1\)"):
+        make(proposer=Proposer(), policy=BucketPolicy(capture_sizes=(2,), decode_query_len=2))

@@ -133,6 +133,39 @@ def test_feedback_duplicates_and_stale_rows_refused_row_by_row():
     assert st.num_pending_drafts_np[:2].tolist() == [0, 0]  # a's bound is exact again
 
 
+def test_feedback_applies_in_any_order_each_once():
+    """Step 2's feedback before step 1's: both apply (step 1 was refused as a duplicate)."""
+    st = make_spec_state()
+    s1 = verify_step(st, [0, 1], [3, 3])
+    fb1 = RejectionFeedback.of_step(st, s1, np.array([1, 2]))
+    s2 = verify_step(st, [0, 1], [3, 3])
+    fb2 = RejectionFeedback.of_step(st, s2, np.array([0, 3]))
+    assert apply_rejections(st, fb2).applied.all()
+    assert apply_rejections(st, fb1).applied.all()
+    assert st.num_computed_tokens_np[:2].tolist() == [7, 3]
+    assert st.num_pending_drafts_np[:2].tolist() == [0, 0] and not st.awaiting_feedback
+    for fb in (fb1, fb2):
+        assert apply_rejections(st, fb).duplicate.all()
+    assert st.num_computed_tokens_np[:2].tolist() == [7, 3]
+
+
+def test_feedback_of_another_state_is_refused():
+    """Generations and state ids are unique in the process: two states' counters never
+    meet, and feedback says which state it came from."""
+    a, b = make_spec_state(), make_spec_state()
+    assert not set(a.generation_np[:2]) & set(b.generation_np[:2]) and a.uid != b.uid
+    fb = RejectionFeedback.of_step(a, verify_step(a, [0, 1], [3, 3]), np.array([1, 2]))
+    verify_step(b, [0, 1], [3, 3])
+    with pytest.raises(ValueError, match=f"feedback of the state with uid {a.uid}, applied "
+                                         f"to the state with uid {b.uid}"):
+        apply_rejections(b, fb)
+    assert b.num_computed_tokens_np[:2].tolist() == [4, 4]
+    unsigned = RejectionFeedback(fb.req_slots, fb.num_draft_tokens, fb.num_rejected_tokens,
+                                 fb.generations, fb.step)
+    assert apply_rejections(b, unsigned).stale.all()  # other generations: stale
+    assert b.num_computed_tokens_np[:2].tolist() == [4, 4]
+
+
 def test_resync_restores_mirror_from_device():
     st = RequestState(2, 64, 4)
     st.add_request("a", 8, [0, 1])

@@ -116,3 +116,31 @@ def test_slices_that_would_read_wrong_kv_are_refused():
     # the padded tail may follow the last real request
     tail = make_metadata_with_slice(UBatchSlice(slice(1, 4), slice(3, 12)), m)
     assert tail.query_start_loc_cpu.tolist() == [0, 6, 6, 6]
+
+
+@pytest.mark.parametrize("qsl,match", [
+    (np.array([], np.int32), "1-D integer with num_reqs_padded"),
+    (np.array([[0, 2]]), "1-D integer"),
+    (np.array([0.0, 2.0]), "1-D integer"),
+    (np.array([0, 4, 2]), "start at 0 and never decrease"),
+    (np.array([1, 4]), "start at 0"),
+])
+def test_bad_query_start_locs_are_refused(qsl, match):
+    with pytest.raises(ValueError, match=match):
+        maybe_create_ubatch_slices(qsl, 2)
+
+
+@pytest.mark.parametrize("n", [0, 2.5, True])
+def test_bad_micro_batch_counts_are_refused(n):
+    with pytest.raises(ValueError, match="num_ubatches"):
+        maybe_create_ubatch_slices(np.array([0, 4]), n)
+
+
+def test_a_block_table_without_columns_is_refused():
+    import dataclasses
+
+    m = two_request_batch()[3]
+    n = m.num_reqs
+    with pytest.raises(ValueError, match=rf"block_table_tensor has shape \({n}, 0\), expected "
+                                         rf"\({n}, max_num_blocks\) with max_num_blocks >= 1"):
+        dataclasses.replace(m, block_table_tensor=m.block_table_tensor[:, :0])

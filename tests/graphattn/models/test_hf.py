@@ -91,3 +91,46 @@ def test_compiled_llama_captures_with_inductor_autotuning_on_cuda():
     cfg = CompileConfig(enabled=True, options={"max_autotune_pointwise": True})
     report, keys = run("cuda", torch.float32, dict(rtol=2e-3, atol=2e-3), cfg)
     assert report.num_graphs > 0 and sum(k is not None for k in keys) >= 6
+
+
+def test_wrapping_changes_nothing_of_the_model_and_refuses_training_mode():
+    from graphattn.models.hf import HFCausalLM
+
+    ref, runner, st = make("cpu", torch.float32)
+    model = runner.forward.model
+    model.train()
+    with pytest.raises(ValueError, match="LlamaForCausalLM is in training mode"):
+        HFCausalLM(model)
+    model.eval()
+    HFCausalLM(model)
+    assert not model.training
+
+
+def test_a_model_cast_after_allocate_caches_is_refused():
+    ref, runner, st = make("cpu", torch.float32)
+    runner.forward.model.double()
+    with pytest.raises(ValueError, match=r"caches\[0\]: dtype torch.float32, expected the "
+                                         r"model's torch.float64"):
+        runner.capture(progress=False)
+    with pytest.raises(ValueError, match=r"caches\[0\]: dtype torch.float32"):
+        GraphRunner(runner.forward, RequestState(4, 64, 8))
+
+
+def test_learned_positions_shorter_than_max_model_len_are_refused():
+    from graphattn.models.hf import HFCausalLM
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=48)
+    hf = HFCausalLM(transformers.GPT2LMHeadModel(cfg).eval())
+    assert hf.max_positions == 48
+    hf.allocate_caches(32, 8)
+    with pytest.raises(ValueError, match=r"max_model_len = 64, but HFCausalLM takes positions "
+                                         r"below 48 only"):
+        GraphRunner(hf, RequestState(4, 64, 8, num_kv_blocks=31))
+    GraphRunner(hf, RequestState(4, 48, 8, num_kv_blocks=31))
+
+
+def test_hf_models_run_the_paged_backend_only():
+    ref, runner, st = make("cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"backend = 'flex', but HFCausalLM runs only "
+                                         r"\('paged',\)"):
+        GraphRunner(runner.forward, st, RunnerConfig(backend="flex"))

@@ -112,6 +112,23 @@ def test_a_wrapper_with_fewer_slots_than_the_state_is_refused():
         GraphRunner(wrapped, RequestState(4, 64, 8))
 
 
+@pytest.mark.parametrize("slots", [2.5, True, 0, "4"])
+def test_bad_slot_counts_are_refused(slots):
+    from graphattn.models.hf_encoder_decoder import HFEncoderDecoder
+
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        HFEncoderDecoder(whisper(), max_num_reqs=slots)
+
+
+def test_encoder_inputs_that_are_no_features_are_refused():
+    runner, st = runner_of(whisper())
+    for bad, got in (("features", "str of dtype <U8"), ([[1, 2]], "list of dtype int64")):
+        with pytest.raises(ValueError, match=f"encoder_inputs must be float input features .* "
+                                             f"got {got}"):
+            runner.add_request("a", [1, 2], encoder_inputs=bad)
+    assert st.num_active == 0
+
+
 def test_encoder_inputs_refused_by_a_decoder_only_model():
     from graphattn.models.tiny import TinyConfig, TinyDecoder
 
