@@ -26,7 +26,8 @@ from graphattn.state import RequestState
 
 __all__ = ["DeviceStep", "ModelForward", "StepTensors"]
 
-# forward(inputs, attn_metadata) -> logits [num_tokens, vocab]
+# forward(inputs, attn_metadata) -> logits [num_tokens, vocab], or [rows, vocab] at the token
+# rows inputs["logits_indices"] for a forward that reads them
 ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
 # logits, sampled, logprobs (or None), rejected, emitted: see DeviceStep.__call__
 StepTensors = tuple[torch.Tensor | None, ...]
@@ -148,36 +149,49 @@ class DeviceStep:
              forward: Callable[..., torch.Tensor]) -> StepTensors:
         """Token ids in, forward, sampling or verification, write-back and the truth's
         advance (pure device work). `single`: every row has one token, row r's at index r,
-        so the logits are the forward's own rows (no gather)."""
+        so the logits are the forward's own rows (no gather). A forward that reads
+        "logits_indices" computes logits at those rows only (each row's last token, or
+        every token when drafts are verified)."""
         ids = self.token_ids[batch.token_slots, batch.positions]
         if spec:  # each token's row and offset in it, shared by drafting and verification
             offsets = self._offsets(batch, ids.shape[0])
             ids = self._with_drafts(batch, ids, offsets)
-        inputs = {"input_ids": ids, "positions": batch.positions, "req_slots": batch.req_slots}
-        logits_all = forward({n: inputs[n] for n in self.static_input_names}, meta)
-        seq = batch.seq_lens.long()
-        if spec:
-            logits, sampled, logprobs, rejected, emitted = self._verify(batch, ids, logits_all,
-                                                                        offsets)
-            seq = seq - rejected
-        else:
-            qsl = batch.query_start_loc
-            logits = logits_all[: qsl.shape[0] - 1] if single else logits_all[
-                (qsl[1:].long() - 1).clamp(min=0)]
-            sampled, logprobs = self._sample(logits, batch.req_slots, seq)
-            # no row of a plain step carries drafts (num_drafts is 0 throughout), so none is
-            # rejected: the input itself, not a fill launched per step
-            rejected = batch.num_drafts
-            width = self.decode_query_len
-            emitted = sampled[:, None] if width == 1 else torch.cat(
-                [sampled[:, None], sampled.new_full((sampled.shape[0], width - 1), -1)], 1)
-        st = self.state
-        done = (batch.num_scheduled > 0) & (seq >= self.prompt_lens[batch.req_slots])
+        # a plain step needs logits at each row's last token only, and at most max_num_reqs
+        # rows are real: later (padded) rows take no part after the forward
+        rows = min(batch.req_slots.shape[0], self.state.max_num_reqs)
+        at = (torch.arange(ids.shape[0], device=ids.device) if spec or single
+              else (batch.query_start_loc[1 : rows + 1].long() - 1).clamp(min=0))
+        inputs = {"input_ids": ids, "positions": batch.positions, "req_slots": batch.req_slots,
+                  "logits_indices": at}
+        logits = forward({n: inputs[n] for n in self.static_input_names}, meta)
+        if spec:  # logits at every token either way
+            return self._finish(batch, *self._verify(batch, ids, logits, offsets), spec)
+        gathered = single or "logits_indices" in self.static_input_names
+        logits = (logits if gathered else logits[at])[:rows]
+        slots = batch.req_slots[:rows]
+        sampled, logprobs = self._sample(logits, slots, batch.seq_lens[:rows].long())
+        width = self.decode_query_len
+        emitted = sampled[:, None] if width == 1 else torch.cat(
+            [sampled[:, None], sampled.new_full((rows, width - 1), -1)], 1)
+        # no row of a plain step carries drafts (num_drafts is 0 throughout), so none is
+        # rejected: the input itself, not a fill launched per step
+        return self._finish(batch, logits, sampled, logprobs, batch.num_drafts[:rows], emitted,
+                            spec)
+
+    def _finish(self, batch: InputBatch, logits: torch.Tensor, sampled: torch.Tensor,
+                logprobs: torch.Tensor | None, rejected: torch.Tensor, emitted: torch.Tensor,
+                spec: bool) -> StepTensors:
+        """Write each finished row's token back and advance the truth (its first
+        ``sampled.shape[0]`` rows: the rest are padding)."""
+        rows, st = sampled.shape[0], self.state
+        slots, scheduled = batch.req_slots[:rows], batch.num_scheduled[:rows]
+        seq = batch.seq_lens[:rows].long() - (rejected if spec else 0)
+        done = (scheduled > 0) & (seq >= self.prompt_lens[slots])
         col = torch.where(done, seq, st.max_model_len).clamp(max=st.max_model_len)
-        self.token_ids[batch.req_slots, col] = sampled
+        self.token_ids[slots, col] = sampled
         if not torch.compiler.is_compiling():
             self.advanced = True  # from here on the step counts (the mirror keeps it)
-        st.advance_device(batch.req_slots, batch.num_scheduled, rejected if spec else None)
+        st.advance_device(slots, scheduled, rejected if spec else None)
         return logits, sampled, logprobs, rejected, emitted
 
     def _offsets(self, batch: InputBatch, t: int) -> tuple[torch.Tensor, torch.Tensor]:

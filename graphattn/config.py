@@ -17,8 +17,9 @@ from graphattn.keys import CUDAGraphMode
 
 __all__ = ["INPUT_NAMES", "CompileConfig", "RunnerConfig"]
 
-# what a forward may ask for in its `inputs` (GraphRunner passes these by name)
-INPUT_NAMES = ("input_ids", "positions", "req_slots")
+# what a forward may ask for in its `inputs` (GraphRunner passes these by name); a forward
+# that reads "logits_indices" returns logits at those token rows only
+INPUT_NAMES = ("input_ids", "positions", "req_slots", "logits_indices")
 ON_MISSING = ("eager", "error")
 
 
@@ -115,8 +116,10 @@ class RunnerConfig:
         A key without a graph runs eagerly at the key's padded shapes, or raises
         `GraphNotCapturedError` (also for a batch no key fits).
     static_input_names : tuple of str, optional
-        Subset of ("input_ids", "positions", "req_slots") the forward reads from `inputs`;
-        default: the forward's own ``static_input_names``, else the first two.
+        Subset of ("input_ids", "positions", "req_slots", "logits_indices") the forward
+        reads from `inputs`; default: the forward's own ``static_input_names``, else the
+        first two. A forward that reads "logits_indices" (int64 [rows]) returns logits at
+        those token rows only, [rows, vocab]; any other returns [num_tokens, vocab].
     vocab_size : int, optional
         Prompt and draft ids are checked against it (default: the model's
         ``cfg.vocab_size`` / ``config.vocab_size``).

@@ -11,6 +11,7 @@
 #   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
 #                  PROFILE_SHAPES="B:L ..."), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
+#   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all)
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -71,6 +72,11 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0]))
       python3 -m bench.warm_start --device cuda --compile-threads 1 --out "$OUT" 2>&1 \
         | tee -a "$OUT/warm_start.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    startup)
+      python3 -m bench.startup --models "${STARTUP_MODELS:-tiny,1b,hf-1b}" \
+        --max-reqs "${STARTUP_REQS:-64}" --out "$OUT" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' \
+        | tee -a "$OUT/startup.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac

@@ -16,6 +16,7 @@ implementation is switched only while our forward runs.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -115,9 +116,13 @@ class HFCausalLM:
     max_positions : int or None
         Positions its learned position table holds (the runner refuses a longer
         max_model_len); None for rotary models.
+    static_input_names : tuple of str
+        What the runner passes; with "logits_indices" (models whose forward takes
+        ``logits_to_keep``) the LM head runs only at the rows that are sampled.
     """
 
     backends = ("paged",)
+    static_input_names: tuple[str, ...] = ("input_ids", "positions")
 
     def __init__(self, model: nn.Module) -> None:
         self.check(model)
@@ -125,6 +130,9 @@ class HFCausalLM:
         _register()
         self.model = model
         self.max_positions = learned_positions(model)
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            # the LM head runs only at the rows the runner samples
+            self.static_input_names = (*type(self).static_input_names, "logits_indices")
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -174,9 +182,11 @@ class HFCausalLM:
             # the model's own forward: embedding scales, per-layer rope, logit scaling and
             # softcaps are the model's; no HF cache and no mask (our name has no mask
             # function, so transformers builds none)
+            keep = {} if "logits_indices" not in inputs else {
+                "logits_to_keep": inputs["logits_indices"]}
             out = self.model(input_ids=inputs["input_ids"][None],
                              position_ids=inputs["positions"][None], use_cache=False,
-                             graphattn_runner=self, graphattn_metadata=attn_metadata)
+                             graphattn_runner=self, graphattn_metadata=attn_metadata, **keep)
             return out.logits[0]
         finally:
             cfg._attn_implementation = user_impl

@@ -96,7 +96,9 @@ class TinyDecoder(nn.Module):
     """A small decoder whose attention is a graphattn backend impl (paged by default).
 
     ``forward(inputs, attn_metadata)`` follows `graphattn.capture.runner.ModelForward`:
-    inputs has "input_ids" and "positions" (int64 [T]); returns logits [T, vocab].
+    inputs has "input_ids" and "positions" (int64 [T]) and, from the runner,
+    "logits_indices" (int64 [R]); returns logits [R, vocab] at those rows (without
+    them: [T, vocab]).
     Call `allocate_caches` before the first forward; call it under no_grad or
     inference mode (GraphRunner does), which also lets torch.compile trace it whole.
 
@@ -113,6 +115,9 @@ class TinyDecoder(nn.Module):
         follow o and down (this rank holds its slice of heads, KV heads and MLP;
         `load_shard` fills it from a full model).
     """
+
+    # the LM head runs only at the token rows the runner samples
+    static_input_names = ("input_ids", "positions", "logits_indices")
 
     def __init__(self, cfg: TinyConfig | None = None, impl: Any = None,
                  tp_group: Any = None) -> None:
@@ -171,6 +176,8 @@ class TinyDecoder(nn.Module):
         rot = None if hasattr(self.impl, "forward_qkv") else cos_sin(pos, self.inv_freq)
         for layer, cache in zip(self.layers, self.caches, strict=True):
             x = layer(x, pos, self.inv_freq, rot, attn_metadata, self.impl, cache)
+        if "logits_indices" in inputs:  # the LM head only where logits are used
+            x = x[inputs["logits_indices"]]
         return self.lm_head(self.norm(x))
 
     @torch.inference_mode()

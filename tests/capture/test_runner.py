@@ -195,3 +195,24 @@ def test_whole_runner_step_on_meta_device():
         runner.dummy_run(GraphKey(4, 4, 32, True))
     assert first.logits.device.type == "meta" and out.key == GraphKey(2, 2, 32, True)
     assert out.logits.shape == (2, 128) and st.num_computed_tokens_np[:2].tolist() == [5, 3]
+
+
+def test_the_lm_head_runs_only_where_logits_are_used():
+    """A forward that reads logits_indices computes the LM head at each row's last token (at
+    most max_num_reqs rows, whatever the key's padded tokens); one that does not is still
+    served, and both give the same logits."""
+    outs, rows = {}, {}
+    for names in (None, ("input_ids", "positions")):
+        model, st, _ = make_runner(max_reqs=4)
+        runner = GraphRunner(model, st, RunnerConfig(static_input_names=names, policy=BucketPolicy(
+            capture_sizes=(1, 2, 4), length_boundaries=(32, 64), mixed_token_sizes=(16, 32))))
+        runner.capture(progress=False)
+        seen = []
+        model.lm_head.register_forward_hook(lambda m, a, out: seen.append(a[0].shape[0]))
+        for i, n in enumerate((5, 9, 3)):
+            runner.add_request(f"r{i}", np.arange(1, n + 1))
+        out = runner.step(SchedulerOutput(np.arange(3), np.array([5, 9, 3])))
+        assert out.key == GraphKey(32, 32, 32, False)
+        outs[names], rows[names] = out.logits.clone(), seen[-1]
+    assert rows[None] == 4 and rows[("input_ids", "positions")] == 32
+    torch.testing.assert_close(outs[None], outs[("input_ids", "positions")], rtol=0, atol=0)

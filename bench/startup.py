@@ -1,0 +1,117 @@
+"""Startup: capture seconds and graph-pool MiB per key, with the LM head only at the rows that
+are sampled ("used", the default) or at every token ("all", a forward that ignores
+logits_indices), beside the model's eager first step.
+
+Eager-model graphs of the tiny and 1B shapes (`bench.setup.MODELS`), and of a transformers
+Llama of the 1B shape through `HFCausalLM` ("hf-1b"); keys: uniform decodes of every default
+capture size up to `--max-reqs` and mixed keys of `--mixed` tokens, one length bucket.
+
+    python -m bench.startup [--models tiny,1b,hf-1b] [--max-reqs 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from bench.setup import LLAMA_1B, MODELS
+from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
+from graphattn.buckets import default_capture_sizes
+from graphattn.models.tiny import TinyDecoder
+
+BLOCK = 16
+
+
+def build(model_name: str, device: str, dtype: torch.dtype) -> tuple[object, str]:
+    """The forward of `model_name` and a label of its kind."""
+    torch.manual_seed(0)
+    if model_name != "hf-1b":
+        with torch.device(device):
+            return TinyDecoder(MODELS[model_name]).to(dtype), "TinyDecoder"
+    import transformers
+
+    from graphattn.models.hf import HFCausalLM
+
+    c = LLAMA_1B
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta,
+        max_position_embeddings=4096, tie_word_embeddings=True)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    return HFCausalLM(model), "HFCausalLM(LlamaForCausalLM)"
+
+
+def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tuple[int, ...],
+            logits: str) -> dict:
+    """Capture every key one at a time: seconds and pool MiB after each, and the eager
+    first step of a `max(mixed)`-token prefill."""
+    st = RequestState(max_reqs, max_len, BLOCK, device)
+    policy = BucketPolicy(capture_sizes=default_capture_sizes(max_reqs),
+                          length_boundaries=(max_len,), mixed_token_sizes=mixed)
+    names = None if logits == "used" else ("input_ids", "positions")
+    runner = GraphRunner(forward, st, RunnerConfig(policy=policy, static_input_names=names))
+    keys, rows = runner.dispatcher.all_keys(), []
+    for key in tqdm(keys, desc=f"capture ({logits} rows)", leave=False):
+        report = runner.capture([key], progress=False)
+        rows.append({"key": str(key), "seconds": report.seconds,
+                     "pool_mib": runner.graphs.pool_bytes() / 2**20})
+    runner.add_request("p", np.arange(max(mixed)) % 1000)
+    sched = SchedulerOutput(np.array([0]), np.array([max(mixed)]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.step(sched, force_eager=True).sampled_host.wait()
+    eager_s = time.perf_counter() - t0
+    return {"logits": logits, "keys": len(keys), "capture_s": sum(r["seconds"] for r in rows),
+            "pool_mib": rows[-1]["pool_mib"], "eager_first_step_s": eager_s, "per_key": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", "--model", default="tiny,1b,hf-1b",
+                    help="comma-separated: tiny, 1b, hf-1b")
+    ap.add_argument("--max-reqs", type=int, default=64, help="the state's max_num_reqs")
+    ap.add_argument("--max-len", type=int, default=2048, help="the state's max_model_len")
+    ap.add_argument("--mixed", default="512,2048", help="comma-separated mixed key sizes")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device")
+    ap.add_argument("--out", default=None, help="folder for startup.json")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    mixed = tuple(int(t) for t in args.mixed.split(","))
+    results = []
+    for name in args.models.split(","):
+        forward, kind = build(name, args.device, dtype)
+        for logits in ("used", "all"):
+            forward.allocate_caches(args.max_reqs * -(-args.max_len // BLOCK), BLOCK)
+            r = measure(forward, args.device, args.max_reqs, args.max_len, mixed, logits)
+            results.append({"model": name, "forward": kind, "max_reqs": args.max_reqs, **r})
+            print(f"{name:6s} {logits:4s} rows: {r['keys']} keys in {r['capture_s']:.2f} s, "
+                  f"pool {r['pool_mib']:.0f} MiB; eager first step {r['eager_first_step_s']:.3f} s")
+            forward.caches = []
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        del forward
+    if args.out:
+        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                "command": "python -m bench.startup " + " ".join(
+                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                    if k != "out" and v is not None)}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "startup.json").write_text(
+            json.dumps({**meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
