@@ -122,8 +122,9 @@ class GraphRunner:
         check_caches(forward, state)
         self.config, self.state = config, state
         self.static_input_names = static_input_names_of(forward, config)
-        spec = get_backend(config.backend)
-        check_backend(forward, config.backend, spec.impl_cls)
+        self.backend = config.backend or next(iter(getattr(forward, "backends", ())), "paged")
+        spec = get_backend(self.backend)
+        check_backend(forward, self.backend, spec.impl_cls)
         self.dispatcher = d = GraphDispatcher.for_runner(
             config, state.max_model_len, state.max_num_reqs, spec.capture_support, dispatcher)
         self.builder = resolve_builder(spec, BuilderContext(

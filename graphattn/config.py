@@ -92,9 +92,11 @@ class RunnerConfig:
 
     Parameters
     ----------
-    backend : str
+    backend : str, optional
         Registered attention backend (`graphattn.backends.backend_names()`): its builder is
         the runner's default and its capture support is what the dispatcher honours.
+        Default: the first of the forward's ``backends`` (e.g. "mla" for a DeepSeek model
+        through `HFCausalLM`), else "paged".
     cudagraph_mode : CUDAGraphMode or str
         Which graphs exist: full keys, piecewise keys (the forward compiled once and split
         at the attention ops, needs ``policy.piecewise_token_sizes``), both (default: full
@@ -125,7 +127,7 @@ class RunnerConfig:
         ``cfg.vocab_size`` / ``config.vocab_size``).
     """
 
-    backend: str = "paged"
+    backend: str | None = None
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
     policy: BucketPolicy = field(default_factory=BucketPolicy)
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -136,7 +138,7 @@ class RunnerConfig:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.backend, str):
+        if self.backend is not None and not isinstance(self.backend, str):
             raise ValueError(f"RunnerConfig.backend must be a backend name, got "
                              f"{self.backend!r}")
         try:

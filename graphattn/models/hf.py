@@ -24,6 +24,7 @@ from torch import nn
 
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 from graphattn.backends.reference import allocate_kv_cache
+from graphattn.models.hf_mla import LatentAttention, mla_layout
 
 __all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported", "learned_positions"]
 
@@ -31,7 +32,8 @@ ATTN_NAME = "graphattn_paged"
 # model_type -> checked against the model's own generate() token for token (tests)
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi",
              "phi3", "phimoe", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "granite",
-             "cohere", "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss")
+             "cohere", "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss", "deepseek_v2",
+             "deepseek_v3")
 # mixture-of-experts layers run transformers' "batched_mm" experts implementation while our
 # forward runs: every routed (token, expert) pair gathers its expert's weights, fixed shapes,
 # no host read (the default implementation finds the hit experts with nonzero)
@@ -44,15 +46,31 @@ _REASONS = {
                "HFEncoderDecoder",
     "gpt_neo": "its local-attention layers give other tokens than its generate() here",
     "gpt_bigcode": "multi-query attention is not read from its config here",
+    "deepseek_v32": "DeepSeek sparse attention: its indexer's top-k selection is not wired to "
+                    "the sparse_indexer backend here (dense latent attention gives other "
+                    "tokens)",
+    "deepseek_v4": "compressed sparse attention with sliding windows, which no graphattn "
+                   "backend implements",
 }
+# families whose layers keep a recurrent state instead of (or beside) a KV cache
+_RECURRENT = ("mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "falcon_h1", "zamba",
+              "zamba2", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "qwen3_next",
+              "minimax", "rwkv", "recurrent_gemma", "xlstm", "plamo2", "hunyuan_v1_moe_hybrid")
 
 
 def check_supported(model: nn.Module) -> None:
     """Raise ValueError naming the class and the feature unless `model` runs right here."""
     cfg = model.config
     name, mtype = type(model).__name__, getattr(cfg, "model_type", "?")
+    head = _causal_lm_class(mtype)
+    if mtype in SUPPORTED and head is not None and name != head:
+        raise ValueError(f"{name} (model_type {mtype!r}) is not a causal-LM head: "
+                         f"graphattn.models.hf serves {head}, whose logits it samples")
     if mtype not in SUPPORTED:
         reason = _REASONS.get(mtype)
+        if reason is None and mtype in _RECURRENT:
+            reason = ("state-space / linear-attention layers keep a recurrent state, not a "
+                      "KV cache, and no graphattn backend holds one")
         if reason is None and getattr(cfg, "is_encoder_decoder", False):
             reason = ("encoder-decoder: only those of graphattn.models.hf_encoder_decoder are "
                       "supported")
@@ -63,12 +81,25 @@ def check_supported(model: nn.Module) -> None:
         )
 
 
+def _causal_lm_class(model_type: str) -> str | None:
+    """transformers' causal-LM class name of a model type (None when it has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
 def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
                          dropout: float = 0.0, sliding_window: int | None = None,
                          softcap: float | None = None, s_aux: torch.Tensor | None = None,
                          **kwargs: Any) -> tuple[torch.Tensor, None]:
     ctx: HFCausalLM = kwargs["graphattn_runner"]
+    if ctx.latent is not None:  # multi-head latent attention (DeepSeek)
+        nope = ctx.latent.layout.qk_nope_head_dim
+        out = ctx.latent(module, query[0], key[0, 0, :, nope:], scaling,
+                         ctx.caches[module.layer_idx], kwargs["graphattn_metadata"])
+        return out.unsqueeze(0), None
     q = query[0].transpose(0, 1)
     if id(module) in getattr(ctx, "cross_layer_of", ()):  # an encoder-decoder's cross layer
         out = ctx.cross_attention(module, q, scaling, kwargs["graphattn_cross_metadata"])
@@ -138,8 +169,12 @@ class HFCausalLM:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.caches: list[Any] = []
         self._impls: dict[tuple, PagedAttentionImpl] = {}
+        layout = mla_layout(model)
+        self.latent = None if layout is None else LatentAttention(model, layout)
+        if self.latent is not None:
+            self.backends = ("mla",)
 
     @staticmethod
     def check(model: nn.Module) -> None:
@@ -160,6 +195,10 @@ class HFCausalLM:
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> None:
         p = next(self.model.parameters())
+        if self.latent is not None:
+            self.caches = self.latent.allocate(self.num_layers, num_blocks, block_size,
+                                               p.dtype, p.device)
+            return
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, self.num_kv_heads,
                                                self.head_dim, p.dtype, p.device)
                              for _ in range(2)) for _ in range(self.num_layers)]
@@ -169,13 +208,16 @@ class HFCausalLM:
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         _check_inference(self.model)
-        if self.caches[0][0].dtype != self.model.dtype:
-            raise ValueError(f"KV caches are {self.caches[0][0].dtype} but the model is now "
+        first = self.caches[0] if self.latent is not None else self.caches[0][0]
+        if first.dtype != self.model.dtype:
+            raise ValueError(f"KV caches are {first.dtype} but the model is now "
                              f"{self.model.dtype}: call allocate_caches after casting the model")
         cfg = self.model.config
         user_impl = cfg._attn_implementation
         user_experts = getattr(cfg, "_experts_implementation", None)
         cfg._attn_implementation = ATTN_NAME  # only while our forward runs
+        if self.latent is not None:
+            self.latent.recording = True
         if hasattr(cfg, "_experts_implementation"):
             cfg._experts_implementation = EXPERTS_IMPLEMENTATION
         try:
@@ -189,6 +231,8 @@ class HFCausalLM:
                              graphattn_runner=self, graphattn_metadata=attn_metadata, **keep)
             return out.logits[0]
         finally:
+            if self.latent is not None:
+                self.latent.recording = False
             cfg._attn_implementation = user_impl
             if hasattr(cfg, "_experts_implementation"):
                 cfg._experts_implementation = user_experts

@@ -27,6 +27,8 @@ __all__ = ["ENCODER_DECODER_SUPPORTED", "HFEncoderDecoder"]
 
 # model_type -> checked against the model's own generation token for token (tests)
 ENCODER_DECODER_SUPPORTED = ("whisper",)
+# the generation head each supported family is served through
+_HEADS = {"whisper": "WhisperForConditionalGeneration"}
 _REASONS = {
     "bart": "its decoder derives positions from the cache length, not from position ids, so "
             "rows of a packed batch would get wrong positions",
@@ -71,6 +73,10 @@ class HFEncoderDecoder(HFCausalLM):
     def check(model: nn.Module) -> None:
         """Raise ValueError naming the class and the reason unless `model` runs here."""
         mtype = getattr(model.config, "model_type", "?")
+        head = _HEADS.get(mtype)
+        if head is not None and type(model).__name__ != head:
+            raise ValueError(f"{type(model).__name__} (model_type {mtype!r}) is not served by "
+                             f"HFEncoderDecoder: it serves {head} (encoder and decoder)")
         if mtype not in ENCODER_DECODER_SUPPORTED:
             reason = _REASONS.get(mtype, "not among the encoder-decoders checked against their "
                                          "own generation")

@@ -157,6 +157,11 @@ def test_unsupported_encoder_decoders_refused_when_wrapping():
     with pytest.raises(ValueError, match=r"WhisperForConditionalGeneration .* wrap it with "
                                          r"graphattn.models.hf_encoder_decoder"):
         HFCausalLM(whisper())
+    decoder_only = transformers.WhisperForCausalLM(whisper().config)
+    with pytest.raises(ValueError, match=r"WhisperForCausalLM \(model_type 'whisper'\) is not "
+                                         r"served by HFEncoderDecoder: it serves "
+                                         r"WhisperForConditionalGeneration"):
+        HFEncoderDecoder(decoder_only, 2)
 
 
 @pytest.mark.cuda

@@ -100,6 +100,13 @@ REFUSED = {
     "StableLmForCausalLM": ("StableLmConfig", {}, "not among the families checked"),
     "BartForCausalLM": ("BartConfig", {"d_model": 64, "encoder_attention_heads": 4,
                                        "decoder_attention_heads": 4}, "encoder-decoder"),
+    # heads other than the causal LM's, of an accepted family
+    "LlamaModel": ("LlamaConfig", {}, "not a causal-LM head: .* serves LlamaForCausalLM"),
+    "LlamaForSequenceClassification": ("LlamaConfig", {}, "not a causal-LM head"),
+    "LlamaForTokenClassification": ("LlamaConfig", {}, "not a causal-LM head"),
+    "MambaForCausalLM": ("MambaConfig", {"num_hidden_layers": 1},
+                         "keep a recurrent state, not a KV cache"),
+    "DeepseekV32ForCausalLM": ("DeepseekV32Config", {}, "sparse attention: its indexer"),
 }
 
 
