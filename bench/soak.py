@@ -2,7 +2,9 @@
 
     python -m bench.soak [--steps 20000] [--seed 0] [--device cpu]
 
-Requests join and leave, are preempted mid-prefill and readmitted, prompts are
+Requests join (half of them after one of three shared system prompts, admitted through a
+`BlockManager` with prefix caching: hits share read-only KV blocks) and leave, are
+preempted mid-prefill and readmitted, prompts are
 chunk-prefilled under a token budget, decode rows carry random drafts that the runner
 verifies inside the step, their feedback is applied one or two steps late (or refused as
 stale once the request is gone), and some steps are dummy runs of a captured key. After
@@ -26,6 +28,7 @@ from tqdm.auto import tqdm
 
 from bench.workload import device_truth
 from graphattn import GraphRunner, RunnerConfig
+from graphattn.blocks import BlockManager
 from graphattn.buckets import BucketPolicy
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
@@ -47,6 +50,9 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
         decode_query_len=3)))
     runner.capture(progress=False)
     keys = runner.dispatcher.all_keys()
+    blocks = BlockManager(st.num_kv_blocks, st.block_size)  # prefix caching on
+    systems = [rng.integers(0, cfg.vocab_size, 24) for _ in range(3)]
+    cached: set[str] = set()
     pending: list = []
     stale = runner_steps = drafted = 0
     target: dict[str, int] = {}
@@ -60,21 +66,31 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
         while st.num_active < st.max_num_reqs and rng.random() < 0.4:
             if preempted and rng.random() < 0.5:
                 rid, prompt = preempted.pop()
-            else:
-                rid, prompt = f"r{next_id}", rng.integers(0, cfg.vocab_size,
-                                                          int(rng.integers(1, 40)))
+            else:  # half of them after one of three shared system prompts
+                own = rng.integers(0, cfg.vocab_size, int(rng.integers(1, 40)))
+                prompt = own if rng.random() < 0.5 else np.concatenate(
+                    [systems[int(rng.integers(3))][: int(rng.integers(8, 25))], own])[:60]
+                rid = f"r{next_id}"
                 next_id += 1
-            runner.add_request(rid, prompt)
-            target[rid] = len(prompt) + int(rng.integers(1, 30))
+                target[rid] = len(prompt) + int(rng.integers(1, 30))
+            ids, computed = blocks.allocate(rid, prompt, min(target[rid] + 3, st.max_model_len))
+            runner.add_request(rid, prompt, ids, num_computed_tokens=computed)
         for rid, slot in list(st.req_id_to_slot.items()):
             n = int(st.num_computed_tokens_np[slot])
+            prompt_len = int(st.num_prompt_tokens_np[slot])
             if n >= min(target[rid], st.max_model_len - 1):
                 st.remove_request(rid)
-            elif n < st.num_prompt_tokens_np[slot] and rng.random() < 0.02:
-                prompt = runner.token_ids[slot, : st.num_prompt_tokens_np[slot]].cpu().numpy()
+                blocks.free(rid)
+                cached.discard(rid)
+            elif n < prompt_len and rng.random() < 0.02:
+                prompt = runner.token_ids[slot, :prompt_len].cpu().numpy()
                 st.remove_request(rid)  # preempted mid-prefill: recomputed on readmission
+                blocks.free(rid)
                 preempted.append((rid, prompt))
                 preemptions += 1
+            elif rid not in cached and n - st.num_pending_drafts_np[slot] >= prompt_len:
+                blocks.cache(rid, runner.token_ids[slot, :prompt_len].cpu().numpy())
+                cached.add(rid)  # its prompt's KV is written: later prompts hit it
         slots = np.array(sorted(st.req_id_to_slot.values()), np.int32)
         if step % 17 == 0:
             runner.dummy_run(keys[int(rng.integers(len(keys)))])
@@ -108,7 +124,8 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
     return {"steps": steps, "seed": seed, "device": device, "violations": violations,
             "first_violations": first[:3], "requests": next_id, "preemptions": preemptions,
             "dummy_runs": dummy, "runner_steps": runner_steps, "drafts": drafted,
-            "stale_feedback_rows": stale,
+            "stale_feedback_rows": stale, "prefix_hit_tokens": blocks.num_hits,
+            "prompt_tokens": blocks.num_queried,
             "graphs": len(runner.graphs.keys),
             "plans_cached": len(runner._plans), "rss_mib_start": rss0,
             "rss_mib_end": _rss_mib(), "seconds": time.perf_counter() - t0}

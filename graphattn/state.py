@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphattn.block_holders import BlockHolders, SharePlan
 from graphattn.checks import INT32_MAX, as_index, as_int32_array
 from graphattn.keys import BatchShape
 from graphattn.sync import note_host_read
@@ -194,6 +195,7 @@ class RequestState:
         self.block_table = torch.full((max_num_reqs, self.max_num_blocks_per_req),
                                       self.num_kv_blocks, dtype=torch.int32, device=self.device)
         self.req_id_to_slot: dict[str, int] = {}
+        self.holders = BlockHolders(self.num_kv_blocks, max_num_reqs, self.block_size)
 
     @property
     def num_active(self) -> int:
@@ -218,8 +220,11 @@ class RequestState:
             Prompt length, 1..max_model_len.
         block_ids : sequence of int
             KV-cache blocks of the request (at most max_num_blocks_per_req,
-            enough for the prompt, in [0, num_kv_blocks), owned by no other live
-            request); `append_blocks` adds more as it grows.
+            enough for the prompt, in [0, num_kv_blocks)); `append_blocks` adds more as
+            it grows. A block another live request holds is shared when it is read-only
+            for both (`graphattn.block_holders`): full, below this request's
+            num_computed_tokens and below the other's computed tokens (a prefix-cache
+            hit); reference counts for reuse are the caller's.
         num_computed_tokens : int
             Tokens already in the KV cache (prefix-cache hit, resume after
             preemption), < num_prompt_tokens.
@@ -232,10 +237,11 @@ class RequestState:
                                      self.max_model_len)
         num_computed_tokens = as_index("num_computed_tokens", num_computed_tokens, 0,
                                        num_prompt_tokens - 1)
-        blocks = self._check_blocks(req_id, block_ids, 0, num_prompt_tokens)
         free = np.flatnonzero(~self.active_np)
         if free.size == 0:
             raise ValueError(f"no free slot: all {self.max_num_reqs} are in use")
+        blocks, share = self._check_blocks(req_id, block_ids, 0, num_prompt_tokens,
+                                           num_computed_tokens)
         slot = int(free[0])
         self.active_np[slot] = True
         self.req_id_to_slot[req_id] = slot
@@ -245,6 +251,7 @@ class RequestState:
         self.generation_np[slot] = next(_UNIQUE_IDS)
         self.num_blocks_np[slot] = blocks.shape[0]
         self._set_capacity(slot)
+        self.holders.add(slot, blocks, share)
         self.block_table_np[slot] = self.num_kv_blocks
         self.block_table_np[slot, : blocks.shape[0]] = blocks
         self.block_table[slot].copy_(to_device(self.block_table_np[slot], self.device))
@@ -265,10 +272,7 @@ class RequestState:
         b = self.max_num_blocks_per_req
         free = np.flatnonzero(~self.active_np)
         slot = int(free[0]) if free.size else 0
-        held = np.zeros(self.num_kv_blocks + 1, dtype=bool)
-        cols = np.arange(b)
-        held[self.block_table_np[self.active_np][cols < self.num_blocks_np[self.active_np][
-            :, None]]] = True
+        held = self.holders.count > 0
         own = np.arange(slot * b, (slot + 1) * b)
         if own[-1] < self.num_kv_blocks and not held[own].any():
             return own
@@ -281,9 +285,9 @@ class RequestState:
         return unheld
 
     def _check_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray, have: int,
-                      tokens: int) -> np.ndarray:
+                      tokens: int, lower: int) -> tuple[np.ndarray, SharePlan]:
         """Validate blocks a request gets on top of its `have`, which must hold `tokens`
-        (numpy; no state change)."""
+        (`lower`: its computed tokens; numpy, no state change)."""
         blocks = as_int32_array(f"block_ids of request {req_id!r}", block_ids, 0,
                                 self.num_kv_blocks - 1)
         if have + blocks.shape[0] > self.max_num_blocks_per_req:
@@ -297,23 +301,20 @@ class RequestState:
                 f"request {req_id!r}: {have + blocks.shape[0]} blocks of {self.block_size} "
                 f"tokens for a prompt of {tokens} tokens, expected at least {need} blocks"
             )
-        if np.unique(blocks).size != blocks.size:
-            raise ValueError(f"request {req_id!r}: block ids repeat: {blocks.tolist()}")
         mine = self.req_id_to_slot.get(req_id, -1)
-        live = self.active_np.copy()
-        if mine >= 0:
-            live[mine] = False
-        cols = np.arange(self.max_num_blocks_per_req)
-        owned = self.block_table_np[live][cols < self.num_blocks_np[live][:, None]]
-        if mine >= 0:
-            owned = np.concatenate([owned, self.block_table_np[mine, :have]])
-        taken = np.isin(blocks, owned)
-        if taken.any():
-            raise ValueError(
-                f"request {req_id!r}: blocks {blocks[taken].tolist()} belong to another live "
-                "request (or to this one already)"
-            )
-        return blocks
+        own = self.block_table_np[mine, :have] if mine >= 0 else blocks[:0]
+        if np.unique(np.concatenate([own, blocks])).size != have + blocks.size:
+            raise ValueError(f"request {req_id!r}: block ids repeat (or are its own already): "
+                             f"{blocks.tolist()}")
+        live = self._live_slots()
+        live = live[live != mine]
+        table = self.block_table_np[live]
+        lowers = (self.num_computed_tokens_np[live].astype(np.int64)
+                  - self.num_pending_drafts_np[live])
+        return blocks, self.holders.plan(req_id, blocks, have, lower, live, table, lowers)
+
+    def _live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.active_np)
 
     def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
         """Give a running request more KV-cache blocks (validated first, as in add_request)."""
@@ -321,8 +322,10 @@ class RequestState:
             raise ValueError(f"unknown request {req_id!r}")
         slot = self.req_id_to_slot[req_id]
         have = int(self.num_blocks_np[slot])
-        blocks = self._check_blocks(req_id, block_ids, have, 0)
+        lower = int(self.num_computed_tokens_np[slot]) - int(self.num_pending_drafts_np[slot])
+        blocks, share = self._check_blocks(req_id, block_ids, have, 0, lower)
         n = blocks.shape[0]
+        self.holders.add(slot, blocks, share)
         self.block_table_np[slot, have : have + n] = blocks
         self.num_blocks_np[slot] = have + n
         self._set_capacity(slot)
@@ -337,6 +340,7 @@ class RequestState:
         if req_id not in self.req_id_to_slot:
             raise ValueError(f"unknown request {req_id!r}")
         slot = self.req_id_to_slot.pop(req_id)
+        self.holders.remove(slot, self.block_table_np[slot, : self.num_blocks_np[slot]])
         self.active_np[slot] = False
         self.num_computed_tokens_np[slot] = 0
         self.num_prompt_tokens_np[slot] = 0
@@ -365,6 +369,8 @@ class RequestState:
         """
         slots = sched.req_slots
         computed = self.num_computed_tokens_np[slots]
+        self.holders.check_writes(slots, computed.astype(np.int64)
+                                  - self.num_pending_drafts_np[slots])
         prompt = self.num_prompt_tokens_np[slots]
         drafts = 0 if sched.num_draft_tokens is None else sched.num_draft_tokens
         most = np.where(computed < prompt, prompt - computed, 1 + drafts)

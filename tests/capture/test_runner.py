@@ -208,7 +208,7 @@ def test_the_lm_head_runs_only_where_logits_are_used():
             capture_sizes=(1, 2, 4), length_boundaries=(32, 64), mixed_token_sizes=(16, 32))))
         runner.capture(progress=False)
         seen = []
-        model.lm_head.register_forward_hook(lambda m, a, out: seen.append(a[0].shape[0]))
+        model.lm_head.register_forward_hook(lambda m, a, out, seen=seen: seen.append(len(a[0])))
         for i, n in enumerate((5, 9, 3)):
             runner.add_request(f"r{i}", np.arange(1, n + 1))
         out = runner.step(SchedulerOutput(np.arange(3), np.array([5, 9, 3])))

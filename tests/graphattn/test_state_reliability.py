@@ -18,6 +18,8 @@ def snapshot(st):
 def same(a, b):
     for k in a:
         x, y = a[k], b[k]
+        if k == "holders":
+            x, y = (np.concatenate([h.count, h.write_floor]) for h in (x, y))
         if isinstance(x, np.ndarray | torch.Tensor):
             assert (x == y).all(), k
         else:
@@ -31,8 +33,13 @@ def test_block_ids_checked_owned_once_and_sink_past_them():
     with pytest.raises(ValueError, match=r"request 'b': 2 blocks of 4 tokens for a prompt of 9 "
                                          r"tokens, expected at least 3 blocks"):
         st.add_request("b", 9, [1, 2])
-    with pytest.raises(ValueError, match=r"request 'b': blocks \[6\] belong to another live"):
+    with pytest.raises(ValueError, match=r"request 'b': blocks \[6\] are held by another live "
+                                         r"request; a request shares only full blocks below "
+                                         r"its num_computed_tokens \(0\)"):
         st.add_request("b", 5, [6, 8])
+    with pytest.raises(ValueError, match=r"request 'b': block 6 is not read-only for another "
+                                         r"live request yet"):
+        st.add_request("b", 9, [6, 8, 9], num_computed_tokens=8)  # a has computed nothing
     with pytest.raises(ValueError, match=r"block_ids of request 'b'\[0\] = -1, expected in "
                                          r"\[0, 39\]"):
         st.add_request("b", 3, [-1])
@@ -50,8 +57,7 @@ def test_block_ids_checked_owned_once_and_sink_past_them():
     st.append_blocks("a", [9])
     assert st.batch_shape(SchedulerOutput(np.array([0]), np.array([3]))).max_seq_len == 13
     assert st.block_table[0, :5].tolist() == [5, 6, 7, 9, 40]
-    with pytest.raises(ValueError, match=r"blocks \[9\] belong to another live request \(or to "
-                                         r"this one already\)"):
+    with pytest.raises(ValueError, match=r"block ids repeat \(or are its own already\)"):
         st.append_blocks("a", [9])
     st.remove_request("a")
     st.add_request("b", 5, [6, 7])  # a finished request's blocks are free again
