@@ -2,13 +2,14 @@
 
     python -m graphattn.demo [--steps 40] [--device cpu|cuda] [--seed 0]
 
-Requests arrive with random prompts, greedy or seeded-sampling parameters and a token
-limit; prompts are chunk-prefilled under a token budget; decodes replay the graph of
-their key (on CPU the same static-buffer path runs eagerly). Tokens reach the host one
-step late through `StepOutput.sampled_host` (a non-blocking copy the host waits on only
-when it reads it), so step N+1 is launched before step N's tokens are read; a request
-stops at its EOS token or its limit and its slot is freed. Every step counts host reads
-of device state inside `step()`: 0.
+Requests arrive with random prompts (half of them after a shared system prompt, whose KV
+blocks `graphattn.blocks.BlockManager` caches and shares), greedy or seeded-sampling
+parameters and a token limit; prompts are chunk-prefilled under a token budget; decodes
+replay the graph of their key (on CPU the same static-buffer path runs eagerly). Tokens
+reach the host one step late through `StepOutput.sampled_host` (a non-blocking copy the
+host waits on only when it reads it), so step N+1 is launched before step N's tokens are
+read; a request stops at its EOS token or its limit and its slot is freed. Every step
+counts host reads of device state inside `step()`: 0.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from graphattn import GraphRunner, RunnerConfig, SamplingParams, StepOutput
+from graphattn.blocks import BlockManager, NoFreeBlocksError
 from graphattn.buckets import BucketPolicy
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
@@ -29,17 +32,36 @@ from graphattn.sync import count_host_syncs
 EOS = 0
 
 
+@dataclass(slots=True)
+class Requests:
+    """The demo's live requests: KV blocks (prefix caching), prompts, limits and tokens."""
+
+    blocks: BlockManager
+    system: np.ndarray
+    prompt: dict[str, np.ndarray] = field(default_factory=dict)
+    limit: dict[str, int] = field(default_factory=dict)
+    produced: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[tuple[str, list[int], str]] = field(default_factory=list)
+
+
 def _admit(runner: GraphRunner, rng: np.random.Generator, next_id: int,
-           limit: dict[str, int], produced: dict[str, list[int]]) -> int:
-    """Random arrivals into free slots: greedy and seeded-sampling requests in turn."""
+           reqs: Requests) -> int:
+    """Random arrivals into free slots: greedy and seeded-sampling requests in turn, half of
+    them after a shared system prompt (its cached blocks are shared, not recomputed)."""
     state, vocab = runner.state, runner.vocab_size
     while state.num_active < state.max_num_reqs and rng.random() < 0.5:
         rid = f"req{next_id}"
         params = SamplingParams() if next_id % 2 else SamplingParams(
             temperature=0.8, top_k=50, seed=next_id)
-        runner.add_request(rid, rng.integers(1, vocab, int(rng.integers(4, 60))),
-                           sampling=params)
-        limit[rid], produced[rid] = int(rng.integers(4, 16)), []
+        own = rng.integers(1, vocab, int(rng.integers(4, 40)))
+        prompt = np.concatenate([reqs.system, own]) if rng.random() < 0.5 else own
+        limit = int(rng.integers(4, 16))
+        try:
+            blocks, computed = reqs.blocks.allocate(rid, prompt, len(prompt) + limit + 1)
+        except NoFreeBlocksError:
+            break
+        runner.add_request(rid, prompt, blocks, computed, sampling=params)
+        reqs.prompt[rid], reqs.limit[rid], reqs.produced[rid] = prompt, limit, []
         next_id += 1
     return next_id
 
@@ -57,20 +79,24 @@ def _schedule(state: RequestState, token_budget: int) -> SchedulerOutput:
 
 
 def _collect(state: RequestState, pending: tuple[SchedulerOutput, StepOutput, list[str]],
-             limit: dict[str, int], produced: dict[str, list[int]],
-             finished: list[tuple[str, list[int], str]]) -> None:
-    """Read a step's tokens (one step late) and free requests at EOS or their limit."""
+             reqs: Requests) -> None:
+    """Read a step's tokens (one step late), cache each computed prompt's blocks, free
+    requests at EOS or their limit."""
     sched, out, ids = pending
     tokens = out.sampled_host.wait()
     done_prompt = (state.num_computed_tokens_np[sched.req_slots]
                    >= state.num_prompt_tokens_np[sched.req_slots])
     for rid, tok, ok in zip(ids, tokens.tolist(), done_prompt.tolist(), strict=True):
-        if not ok or rid not in state.req_id_to_slot or len(produced[rid]) >= limit[rid]:
+        produced = reqs.produced[rid]
+        if not ok or rid not in state.req_id_to_slot or len(produced) >= reqs.limit[rid]:
             continue
-        produced[rid].append(tok)
-        if tok == EOS or len(produced[rid]) >= limit[rid]:
+        if not produced:  # the prompt's KV is written: later prompts may share it
+            reqs.blocks.cache(rid, reqs.prompt[rid])
+        produced.append(tok)
+        if tok == EOS or len(produced) >= reqs.limit[rid]:
             state.remove_request(rid)
-            finished.append((rid, produced[rid], "eos" if tok == EOS else "limit"))
+            reqs.blocks.free(rid)
+            reqs.finished.append((rid, produced, "eos" if tok == EOS else "limit"))
 
 
 def _make_runner(device: str, max_reqs: int) -> GraphRunner:
@@ -104,14 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     runner.capture()
     print(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'bound max':>9}  {'key (how it ran)':<48} "
           f"{'syncs':>5} {'host ms':>8}")
-    limit: dict[str, int] = {}
-    produced: dict[str, list[int]] = {}
-    finished: list[tuple[str, list[int], str]] = []
+    reqs = Requests(BlockManager(state.num_kv_blocks, state.block_size),
+                    rng.integers(1, runner.vocab_size, 40))
     pending = None
     next_id = total_syncs = 0
     t_all = time.perf_counter()
     for step in range(args.steps):
-        next_id = _admit(runner, rng, next_id, limit, produced)
+        next_id = _admit(runner, rng, next_id, reqs)
         sched = _schedule(state, args.token_budget)
         ids = {s: r for r, s in state.req_id_to_slot.items()}
         out = None
@@ -125,15 +150,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{step:>4} {sched.num_reqs:>4} {sched.total_num_scheduled_tokens:>6} "
                   f"{bound:>9}  {how:<48} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
         if pending is not None:
-            _collect(state, pending, limit, produced, finished)
+            _collect(state, pending, reqs)
         pending = (sched, out, [ids[s] for s in sched.req_slots]) if out is not None else None
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_all
     print("host ms: step() wall time, with the sync-counting dispatch mode on (slower).")
-    for rid, toks, why in finished[:3]:
+    for rid, toks, why in reqs.finished[:3]:
         print(f"{rid}: {toks} ({why})")
-    print(f"{args.steps} steps in {elapsed:.2f}s, {next_id} requests, {len(finished)} finished, "
+    print(f"prefix cache: {reqs.blocks.num_hits} of {reqs.blocks.num_queried} prompt tokens "
+          "were cached (shared blocks, no prefill)")
+    print(f"{args.steps} steps in {elapsed:.2f}s, {next_id} requests, {len(reqs.finished)} "
+          "finished, "
           f"host syncs in step(): {total_syncs}, padding waste: "
           f"{100 * runner.padding.token_waste:.1f}% tokens, "
           f"{100 * runner.padding.length_waste:.1f}% length")

@@ -1,0 +1,122 @@
+"""Shared prefixes: N requests after one system prompt of P tokens, each with its own suffix,
+served with prefix caching off (every prompt prefilled whole) and on (`BlockManager`: a hit
+shares the cached blocks and prefills only its suffix).
+
+The first request runs alone until its first token (a miss either way); the other N - 1
+then arrive together. Each row: time to first token of the first request and the median of
+the others (host clock, admission to the token on the host), prompt tokens prefilled,
+tokens/s over the whole run, and whether the tokens equal the off row's (greedy).
+
+    python -m bench.prefix_cache [--model tiny] [--prefix 1024] [--requests 16] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.setup import MODELS
+from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
+from graphattn.blocks import BlockManager
+from graphattn.models.tiny import TinyDecoder
+
+BLOCK = 16
+
+
+def _runner(model: TinyDecoder, device: str, max_reqs: int, max_len: int) -> GraphRunner:
+    st = RequestState(max_reqs, max_len, BLOCK, device)
+    model.allocate_caches(st.num_kv_blocks, BLOCK)
+    bounds = tuple(b for b in (512, 2048, 8192) if b < max_len) + (max_len,)
+    runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
+        capture_sizes=tuple(s for s in (1, 2, 4, 8, 16, 32) if s <= max_reqs),
+        length_boundaries=bounds, mixed_token_sizes=(256, 512))))
+    runner.capture(progress=False)
+    return runner
+
+
+def _until_first_tokens(runner: GraphRunner, rids: list[str], budget: int = 512) -> None:
+    """Prefill `rids` in chunks under a token budget until each has its first token."""
+    st = runner.state
+    slots = st.slots_of(rids)
+    while (left := st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]).any():
+        take = np.minimum(left, np.maximum(budget - (np.cumsum(left) - left), 0))
+        out = runner.step(SchedulerOutput(slots[take > 0], take[take > 0]))
+    out.sampled_host.wait()
+
+
+def serve(runner: GraphRunner, prompts: list[np.ndarray], new: int, cache: bool) -> dict:
+    """Serve every prompt to `new` tokens; TTFTs, prefill tokens, tokens/s and the tokens."""
+    st, manager = runner.state, BlockManager(runner.state.num_kv_blocks, BLOCK)
+    ttft, prefilled = [], 0
+    t0 = time.perf_counter()
+    for group in ([0], list(range(1, len(prompts)))):
+        t = time.perf_counter()
+        for i in group:
+            blocks, done = manager.allocate(f"r{i}", prompts[i], len(prompts[i]) + new + 1)
+            runner.add_request(f"r{i}", prompts[i], blocks, done if cache else 0)
+            prefilled += len(prompts[i]) - (done if cache else 0)
+        _until_first_tokens(runner, [f"r{i}" for i in group])
+        ttft.append(time.perf_counter() - t)
+        if cache:
+            manager.cache("r0", prompts[0])
+    slots = st.slots_of([f"r{i}" for i in range(len(prompts))])
+    for _ in range(new - 1):
+        out = runner.step(SchedulerOutput(slots, np.ones(slots.size, np.int32)))
+    out.sampled_host.wait()
+    wall = time.perf_counter() - t0
+    ends = st.num_computed_tokens_np[slots] + 1
+    tokens = [runner.token_ids[s, len(p):e].tolist() for s, p, e in zip(slots, prompts, ends,
+                                                                         strict=True)]
+    for i in range(len(prompts)):
+        st.remove_request(f"r{i}")
+    return {"prefix_caching": cache, "ttft_first_s": ttft[0], "ttft_hits_s": ttft[1],
+            "prefill_tokens": prefilled, "tokens_per_s": len(prompts) * new / wall,
+            "tokens": tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "--models", default="tiny", choices=sorted(MODELS),
+                    help="model shape (random weights)")
+    ap.add_argument("--prefix", type=int, default=1024, help="system prompt tokens")
+    ap.add_argument("--requests", type=int, default=16, help="requests sharing it")
+    ap.add_argument("--new", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device")
+    ap.add_argument("--out", default=None, help="folder for prefix_cache.json")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = TinyDecoder(MODELS[args.model]).to(dtype)
+    rng = np.random.default_rng(0)
+    vocab = MODELS[args.model].vocab_size
+    system = rng.integers(0, vocab, args.prefix)
+    prompts = [np.concatenate([system, rng.integers(0, vocab, int(rng.integers(64, 513)))])
+               for _ in range(args.requests)]
+    max_len = -(-(args.prefix + 512 + args.new + 1) // 512) * 512
+    runner = _runner(model, args.device, args.requests, max_len)
+    rows = [serve(runner, prompts, args.new, cache) for cache in (False, True)]
+    off = rows[0]["tokens"]
+    for r in rows:
+        r["same_tokens_as_off"] = r.pop("tokens") == off
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                "command": f"python -m bench.prefix_cache --model {args.model} --prefix "
+                           f"{args.prefix} --requests {args.requests} --new {args.new}"}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"prefix_cache_{args.model}_{args.prefix}.json").write_text(
+            json.dumps({**meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
