@@ -66,6 +66,10 @@ def check_supported(model: nn.Module) -> None:
     if mtype in SUPPORTED and head is not None and name != head:
         raise ValueError(f"{name} (model_type {mtype!r}) is not a causal-LM head: "
                          f"graphattn.models.hf serves {head}, whose logits it samples")
+    refusal = _config_refusal(cfg) if mtype in SUPPORTED else None
+    if refusal is not None:
+        raise ValueError(f"{name} (model_type {mtype!r}) is not supported with this config: "
+                         f"{refusal}")
     if mtype not in SUPPORTED:
         reason = _REASONS.get(mtype)
         if reason is None and mtype in _RECURRENT:
@@ -79,6 +83,33 @@ def check_supported(model: nn.Module) -> None:
             f"{reason or 'not among the families checked against generate()'}; supported: "
             f"{', '.join(SUPPORTED)}"
         )
+
+
+# rope variants whose factors depend on the longest position of the whole step (so one
+# request's output would depend on its batchmates), or that read it on the host
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK rope recomputes its frequencies from the longest position of the "
+               "step on the device (a host read, and one request's factors would depend on "
+               "its batchmates)",
+    "longrope": "long-rope picks short or long factors from the longest position of the whole "
+                "step, so a request's tokens would depend on its batchmates",
+}
+
+
+def _config_refusal(cfg: Any) -> str | None:
+    """Why a supported family's config would run wrong here, or None."""
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    nested = isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values())
+    for params in (rope.values() if nested else [rope]):
+        kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+        if kind in _ROPE_REFUSED:
+            return f"rope_type {kind!r}: {_ROPE_REFUSED[kind]}"
+    mask_window = (cfg.model_type == "qwen2_moe" and getattr(cfg, "use_sliding_window", False)
+                   ) or (cfg.model_type == "phimoe" and getattr(cfg, "sliding_window", None))
+    if mask_window:
+        return ("its sliding window is applied only through the attention mask, which "
+                "graphattn does not build (every request would attend past the window)")
+    return None
 
 
 def _causal_lm_class(model_type: str) -> str | None:

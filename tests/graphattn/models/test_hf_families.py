@@ -158,3 +158,33 @@ def test_family_under_cuda_graphs_with_no_host_sync(family):
             ref = model(torch.tensor(seq[:-1], device="cuda")[None]).logits[0].float().cpu()
         got = torch.stack(logits[j])
         torch.testing.assert_close(got, ref[len(prompts[j]) - 1:], rtol=2e-2, atol=2e-2)
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64}
+REFUSED_CONFIGS = {
+    "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM",
+                      {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                      "rope_type 'dynamic'"),
+    "llama_longrope": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": LONGROPE},
+                       "rope_type 'longrope'"),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM",
+                      {"rope_scaling": LONGROPE, "pad_token_id": 0}, "rope_type 'longrope'"),
+    "qwen2_moe_window": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                         {"num_experts": 4, "use_sliding_window": True, "sliding_window": 8},
+                         "applied only through the attention mask"),
+    "phimoe_window": ("PhimoeConfig", "PhimoeForCausalLM",
+                      {"num_local_experts": 4, "sliding_window": 8},
+                      "applied only through the attention mask"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_CONFIGS))
+def test_configs_that_would_run_wrong_are_refused_when_wrapping(case):
+    """Accepted families, in configs whose windows or rope factors would come out wrong."""
+    from graphattn.models.hf import HFCausalLM
+
+    cfg_name, model_name, extra, reason = REFUSED_CONFIGS[case]
+    cfg = getattr(transformers, cfg_name)(**{**SMALL, **extra})
+    with pytest.raises(ValueError, match=rf"not supported with this config: .*{reason}"):
+        HFCausalLM(getattr(transformers, model_name)(cfg))
