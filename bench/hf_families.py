@@ -2,9 +2,21 @@
 tests/graphattn/models/test_hf_families.py and test_hf_encoder_decoder.py (tiny random
 configs, greedy tokens against each model's own generation, or the refusal at wrap time).
 
-    python -m scripts.hf_families
+    python -m bench.hf_families            # the table
+    python -m bench.hf_families --sweep    # every causal-LM family, refusal bypassed
+
+`--sweep` runs every causal-LM family of the installed transformers in a tiny random config
+through HFCausalLM(model, unchecked=True) and compares tokens and logits with its own
+generate(): what decides which families are accepted.
 """
 
+import argparse
+import json
+import multiprocessing
+import resource
+from typing import Any
+
+import torch
 import transformers
 
 from tests.graphattn.models.test_hf_encoder_decoder import (
@@ -15,11 +27,77 @@ from tests.graphattn.models.test_hf_families import (
     FAMILIES,
     REFUSED,
     SMALL,
+    serve_and_compare,
     test_family_matches_own_generate,
 )
 
+# small settings for the config fields that some families have
+EXTRA = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+         "moe_intermediate_size": 32, "num_experts_per_tok": 2, "head_dim": 16,
+         "shared_expert_intermediate_size": 32, "moe_num_experts": 4, "pad_token_id": 0}
+
+
+def sweep_one(model_type: str) -> dict:
+    """One family: matches, or how it failed."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    try:
+        defaults = CONFIG_MAPPING[model_type]()
+        extra = {k: v for k, v in EXTRA.items() if hasattr(defaults, k)}
+        cfg = CONFIG_MAPPING[model_type](**{**SMALL, **extra})
+        torch.manual_seed(0)
+        model = getattr(transformers, name)(cfg).eval()
+        model.config._attn_implementation = "eager"
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        got, expected, diff = serve_and_compare(model, unchecked=True, new=8)
+        verdict = "match" if got == expected and diff < 1e-4 else "differs"
+        return {"type": model_type, "class": name, "verdict": verdict, "max_logit_diff": diff}
+    except Exception as e:  # noqa: BLE001  (a family that cannot even be built or run)
+        return {"type": model_type, "class": name, "verdict": "error",
+                "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+def _isolated(model_type: str, conn: Any) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a family's huge default
+    conn.send(sweep_one(model_type))
+
+
+def sweep(only: list[str] | None, timeout: float = 120.0) -> None:
+    """Each family in a forked process (memory-capped, timed out), one JSON line each."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    ctx = multiprocessing.get_context("fork")
+    for model_type in only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_isolated, args=(model_type, send))
+        proc.start()
+        send.close()
+        try:
+            row = recv.recv() if recv.poll(timeout) else {
+                "type": model_type, "verdict": "error", "error": f"no result in {timeout:.0f} s"}
+        except EOFError:  # the process died (out of its memory cap)
+            row = {"type": model_type, "verdict": "error", "error": "the process died"}
+        proc.kill()
+        proc.join()
+        print(json.dumps(row), flush=True)
+
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="run every causal-LM family")
+    ap.add_argument("--only", default=None, help="comma-separated model types to sweep")
+    args = ap.parse_args()
+    if args.sweep:
+        sweep(args.only.split(",") if args.only else None)
+        return
+    table()
+
+
+def table() -> None:
     from graphattn.models.hf import HFCausalLM
 
     print(f"transformers {transformers.__version__}\n")

@@ -172,6 +172,9 @@ class HFCausalLM:
         A causal LM of the `SUPPORTED` families in eval mode, run through its own
         forward (the wrapper changes nothing of it); others are refused
         (`check_supported`).
+    unchecked : bool
+        Skip `check_supported` (how `python -m bench.hf_families --sweep` decides families
+        by running them; a family that is not accepted may give other tokens).
 
     Attributes
     ----------
@@ -186,8 +189,9 @@ class HFCausalLM:
     backends = ("paged",)
     static_input_names: tuple[str, ...] = ("input_ids", "positions")
 
-    def __init__(self, model: nn.Module) -> None:
-        self.check(model)
+    def __init__(self, model: nn.Module, *, unchecked: bool = False) -> None:
+        if not unchecked:
+            self.check(model)
         _check_inference(model)
         _register()
         self.model = model

@@ -61,24 +61,23 @@ def build(cfg_name, model_name, extra):
     return model
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_matches_own_generate(family):
+def serve_and_compare(model, unchecked=False, new=20):
+    """Greedy tokens and logits of 4 chunk-prefilled requests through HFCausalLM against the
+    model's own generate(); returns (ours, generate()'s, max logit difference)."""
     from graphattn.models.hf import HFCausalLM
 
-    model = build(*FAMILIES[family])
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 128, n) for n in (13, 5, 9, 3)]
-    new = 20
-    expected = [model.generate(torch.tensor(p)[None], max_new_tokens=new,
-                               do_sample=False)[0, len(p):].tolist() for p in prompts]
-    hf = HFCausalLM(model)  # the user's model itself, no copy
+    ref = [model.generate(torch.tensor(p)[None], max_new_tokens=new, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True) for p in prompts]
+    hf = HFCausalLM(model, unchecked=unchecked)  # the user's model itself, no copy
     st = RequestState(4, 64, 8)
     hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
     runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(4,),
                                                      length_boundaries=(32,))))
     runner.capture(progress=False)
     slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
-    got = [[] for _ in prompts]
+    got, diff = [[] for _ in prompts], 0.0
     while min(len(g) for g in got) < new:
         left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
         sched = SchedulerOutput(slots, np.where(left > 0, np.minimum(left, 6), 1))
@@ -86,11 +85,22 @@ def test_family_matches_own_generate(family):
             out = runner.step(sched)
         for j, s in enumerate(slots):
             if st.num_computed_tokens_np[s] >= len(prompts[j]) and len(got[j]) < new:
+                want = ref[j].logits[len(got[j])][0]
+                diff = max(diff, float((out.logits[j] - want).abs().max()))
                 got[j].append(int(out.sampled[j]))
-    assert got == expected
+    expected = [r.sequences[0, len(p):].tolist() for r, p in zip(ref, prompts, strict=True)]
+    return got, expected, diff
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_own_generate(family):
+    model = build(*FAMILIES[family])
+    got, expected, diff = serve_and_compare(model)
+    assert got == expected and diff < 1e-4, diff
     # the user's model still works as before
-    again = model.generate(torch.tensor(prompts[0])[None], max_new_tokens=3, do_sample=False)
-    assert again[0, len(prompts[0]):].tolist() == expected[0][:3]
+    p = np.random.default_rng(1).integers(0, 128, 13)
+    again = model.generate(torch.tensor(p)[None], max_new_tokens=3, do_sample=False)
+    assert again[0, 13:].tolist() == expected[0][:3]
 
 
 REFUSED = {
