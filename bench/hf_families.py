@@ -16,7 +16,6 @@ import multiprocessing
 import resource
 from typing import Any
 
-import torch
 import transformers
 
 from tests.graphattn.models.test_hf_encoder_decoder import (
@@ -27,36 +26,22 @@ from tests.graphattn.models.test_hf_families import (
     FAMILIES,
     REFUSED,
     SMALL,
+    build_generic,
     serve_and_compare,
     test_family_matches_own_generate,
 )
 
-# small settings for the config fields that some families have
-EXTRA = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
-         "moe_intermediate_size": 32, "num_experts_per_tok": 2, "head_dim": 16,
-         "shared_expert_intermediate_size": 32, "moe_num_experts": 4, "pad_token_id": 0}
-
 
 def sweep_one(model_type: str) -> dict:
     """One family: matches, or how it failed."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     try:
-        defaults = CONFIG_MAPPING[model_type]()
-        extra = {k: v for k, v in EXTRA.items() if hasattr(defaults, k)}
-        cfg = CONFIG_MAPPING[model_type](**{**SMALL, **extra})
-        torch.manual_seed(0)
-        model = getattr(transformers, name)(cfg).eval()
-        model.config._attn_implementation = "eager"
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
+        model = build_generic(model_type)
         got, expected, diff = serve_and_compare(model, unchecked=True, new=8)
         verdict = "match" if got == expected and diff < 1e-4 else "differs"
-        return {"type": model_type, "class": name, "verdict": verdict, "max_logit_diff": diff}
+        return {"type": model_type, "class": type(model).__name__, "verdict": verdict,
+                "max_logit_diff": diff}
     except Exception as e:  # noqa: BLE001  (a family that cannot even be built or run)
-        return {"type": model_type, "class": name, "verdict": "error",
+        return {"type": model_type, "verdict": "error",
                 "error": f"{type(e).__name__}: {str(e)[:160]}"}
 
 

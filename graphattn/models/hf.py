@@ -26,14 +26,20 @@ from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 from graphattn.backends.reference import allocate_kv_cache
 from graphattn.models.hf_mla import LatentAttention, mla_layout
 
-__all__ = ["ATTN_NAME", "HFCausalLM", "SUPPORTED", "check_supported", "learned_positions"]
+__all__ = ["ATTN_NAME", "CHECKED", "SUPPORTED", "SWEPT", "HFCausalLM", "check_supported",
+           "learned_positions"]
 
 ATTN_NAME = "graphattn_paged"
-# model_type -> checked against the model's own generate() token for token (tests)
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi",
-             "phi3", "phimoe", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "granite",
-             "cohere", "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss", "deepseek_v2",
-             "deepseek_v3")
+# model types checked against the model's own generate() token for token (tests)
+CHECKED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi", "phi3",
+           "phimoe", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "granite", "cohere",
+           "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss", "deepseek_v2", "deepseek_v3")
+# decided by `python -m bench.hf_families --sweep`: any causal-LM family in a generic tiny
+# config (windows of 8 tokens) against its own generate(), tokens and logits
+SWEPT = ("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "cohere2", "ernie4_5",
+         "ernie4_5_moe", "exaone4", "glm", "glm4", "granitemoe", "hunyuan_v1_dense",
+         "hunyuan_v1_moe", "ministral", "ministral3", "olmo3", "olmoe", "seed_oss", "smollm3")
+SUPPORTED = CHECKED + SWEPT
 # mixture-of-experts layers run transformers' "batched_mm" experts implementation while our
 # forward runs: every routed (token, expert) pair gathers its expert's weights, fixed shapes,
 # no host read (the default implementation finds the hit experts with nonzero)
@@ -51,7 +57,13 @@ _REASONS = {
                     "tokens)",
     "deepseek_v4": "compressed sparse attention with sliding windows, which no graphattn "
                    "backend implements",
+    "llama4_text": "chunked local attention and attention-temperature tuning past lengths "
+                   "the checks reach",
+    "diffllama": "differential attention (two softmax maps subtracted), which the paged "
+                 "attention does not compute",
 }
+_UNCHECKED = ("not among the families checked against generate() (`python -m "
+              "bench.hf_families --sweep --only TYPE` runs one)")
 # families whose layers keep a recurrent state instead of (or beside) a KV cache
 _RECURRENT = ("mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "falcon_h1", "zamba",
               "zamba2", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "qwen3_next",
@@ -80,7 +92,7 @@ def check_supported(model: nn.Module) -> None:
                       "supported")
         raise ValueError(
             f"{name} (model_type {mtype!r}) is not supported by graphattn.models.hf: "
-            f"{reason or 'not among the families checked against generate()'}; supported: "
+            f"{reason or _UNCHECKED}; supported: "
             f"{', '.join(SUPPORTED)}"
         )
 

@@ -61,6 +61,29 @@ def build(cfg_name, model_name, extra):
     return model
 
 
+# small settings for the config fields that some families have
+GENERIC_EXTRA = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+                 "moe_intermediate_size": 32, "num_experts_per_tok": 2, "head_dim": 16,
+                 "shared_expert_intermediate_size": 32, "moe_num_experts": 4, "pad_token_id": 0,
+                 "sliding_window": 8}
+
+
+def build_generic(model_type):
+    """Any causal-LM family of the installed transformers in a tiny random config."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    defaults = CONFIG_MAPPING[model_type]()
+    extra = {k: v for k, v in GENERIC_EXTRA.items() if hasattr(defaults, k)}
+    cfg = CONFIG_MAPPING[model_type](**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(cfg).eval()
+    model.config._attn_implementation = "eager"
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def serve_and_compare(model, unchecked=False, new=20):
     """Greedy tokens and logits of 4 chunk-prefilled requests through HFCausalLM against the
     model's own generate(); returns (ours, generate()'s, max logit difference)."""
@@ -90,6 +113,21 @@ def serve_and_compare(model, unchecked=False, new=20):
                 got[j].append(int(out.sampled[j]))
     expected = [r.sequences[0, len(p):].tolist() for r, p in zip(ref, prompts, strict=True)]
     return got, expected, diff
+
+
+def _swept():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from graphattn.models.hf import SWEPT
+
+    return [t for t in SWEPT if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+
+
+@pytest.mark.parametrize("model_type", _swept())
+def test_swept_family_matches_own_generate(model_type):
+    """The families accepted from the sweep, in its generic tiny config (windows of 8)."""
+    got, expected, diff = serve_and_compare(build_generic(model_type), new=10)
+    assert got == expected and diff < 1e-4, diff
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
