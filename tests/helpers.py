@@ -42,3 +42,26 @@ def spawn_two_ranks(worker, out_dir, tries: int = 3) -> None:
         except mp.ProcessRaisedException:
             if attempt == tries - 1:
                 raise
+
+
+def serve_greedy(runner, prompts, new, chunk, on_token=None):
+    """Admit `prompts`, prefill them `chunk` tokens a step and decode until each has `new`
+    greedy tokens, every step under no_host_sync(); returns each request's tokens.
+    ``on_token(j, out, k)`` sees row j's k-th token's step before it is recorded."""
+    from graphattn import SchedulerOutput
+    from graphattn.sync import no_host_sync
+
+    st = runner.state
+    slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
+    got = [[] for _ in prompts]
+    while min(len(g) for g in got) < new:
+        left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
+        with no_host_sync():
+            out = runner.step(SchedulerOutput(slots, np.where(left > 0, np.minimum(left, chunk),
+                                                              1)))
+        for j, s in enumerate(slots):
+            if st.num_computed_tokens_np[s] >= len(prompts[j]) and len(got[j]) < new:
+                if on_token is not None:
+                    on_token(j, out, len(got[j]))
+                got[j].append(int(out.sampled[j]))
+    return got

@@ -9,6 +9,7 @@ from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.state import RequestState, SchedulerOutput
 from graphattn.sync import no_host_sync
+from tests.helpers import serve_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,20 +100,14 @@ def serve_and_compare(model, unchecked=False, new=20):
     runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(4,),
                                                      length_boundaries=(32,))))
     runner.capture(progress=False)
-    slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
-    got, diff = [[] for _ in prompts], 0.0
-    while min(len(g) for g in got) < new:
-        left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
-        sched = SchedulerOutput(slots, np.where(left > 0, np.minimum(left, 6), 1))
-        with no_host_sync():
-            out = runner.step(sched)
-        for j, s in enumerate(slots):
-            if st.num_computed_tokens_np[s] >= len(prompts[j]) and len(got[j]) < new:
-                want = ref[j].logits[len(got[j])][0]
-                diff = max(diff, float((out.logits[j] - want).abs().max()))
-                got[j].append(int(out.sampled[j]))
+    diff = [0.0]
+
+    def compare(j, out, k):
+        diff[0] = max(diff[0], float((out.logits[j] - ref[j].logits[k][0]).abs().max()))
+
+    got = serve_greedy(runner, prompts, new, 6, compare)
     expected = [r.sequences[0, len(p):].tolist() for r, p in zip(ref, prompts, strict=True)]
-    return got, expected, diff
+    return got, expected, diff[0]
 
 
 def _swept():

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
-from graphattn.sync import no_host_sync
+from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig
+from tests.helpers import serve_greedy
 
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -39,17 +39,7 @@ def serve(model, prompts):
     hf.allocate_caches(st.num_kv_blocks, 16)
     runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(1, 2, 4), length_boundaries=(128,), mixed_token_sizes=(64,))))
-    slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
-    got = [[] for _ in prompts]
-    while min(len(g) for g in got) < NEW:
-        left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
-        sched = SchedulerOutput(slots, np.where(left > 0, np.minimum(left, 16), 1))
-        with no_host_sync():
-            out = runner.step(sched)
-        for j, s in enumerate(slots):
-            if st.num_computed_tokens_np[s] >= len(prompts[j]) and len(got[j]) < NEW:
-                got[j].append(int(out.sampled[j]))
-    return got
+    return serve_greedy(runner, prompts, NEW, 16)
 
 
 def test_smollm2_matches_its_own_generate_alone_and_batched(smollm2):
