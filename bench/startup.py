@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from bench.setup import LLAMA_1B, MODELS
 from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
@@ -52,18 +51,17 @@ def build(model_name: str, device: str, dtype: torch.dtype) -> tuple[object, str
 
 def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tuple[int, ...],
             logits: str) -> dict:
-    """Capture every key one at a time: seconds and pool MiB after each, and the eager
-    first step of a `max(mixed)`-token prefill."""
+    """Capture every key (`CaptureReport`: seconds and pool MiB after each), and time the
+    eager first step of a `max(mixed)`-token prefill."""
     st = RequestState(max_reqs, max_len, BLOCK, device)
     policy = BucketPolicy(capture_sizes=default_capture_sizes(max_reqs),
                           length_boundaries=(max_len,), mixed_token_sizes=mixed)
     names = None if logits == "used" else ("input_ids", "positions")
     runner = GraphRunner(forward, st, RunnerConfig(policy=policy, static_input_names=names))
-    keys, rows = runner.dispatcher.all_keys(), []
-    for key in tqdm(keys, desc=f"capture ({logits} rows)", leave=False):
-        report = runner.capture([key], progress=False)
-        rows.append({"key": str(key), "seconds": report.seconds,
-                     "pool_mib": runner.graphs.pool_bytes() / 2**20})
+    report = runner.capture(progress=True)
+    keys = report.keys
+    rows = [{"key": str(k), "seconds": t, "pool_mib": b / 2**20} for k, t, b in zip(
+        keys, report.key_seconds, report.key_pool_bytes, strict=True)]
     runner.add_request("p", np.arange(max(mixed)) % 1000)
     sched = SchedulerOutput(np.array([0]), np.array([max(mixed)]))
     if device == "cuda":
@@ -71,8 +69,8 @@ def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tu
     t0 = time.perf_counter()
     runner.step(sched, force_eager=True).sampled_host.wait()
     eager_s = time.perf_counter() - t0
-    return {"logits": logits, "keys": len(keys), "capture_s": sum(r["seconds"] for r in rows),
-            "pool_mib": rows[-1]["pool_mib"], "eager_first_step_s": eager_s, "per_key": rows}
+    return {"logits": logits, "keys": len(keys), "capture_s": report.seconds,
+            "pool_mib": report.pool_bytes / 2**20, "eager_first_step_s": eager_s, "per_key": rows}
 
 
 def main() -> None:

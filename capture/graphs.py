@@ -53,6 +53,10 @@ class CaptureReport:
         that pool); 0 off CUDA.
     keys : list[GraphKey]
         In capture order (largest first).
+    key_seconds : list[float]
+        Wall time of each key's capture (its warm-up runs included), in `keys` order.
+    key_pool_bytes : list[int]
+        The pool's size after each key's capture (0 off CUDA).
     """
 
     num_graphs: int = 0
@@ -62,6 +66,8 @@ class CaptureReport:
     seconds: float = 0.0
     pool_bytes: int = 0
     keys: list[GraphKey] = field(default_factory=list)
+    key_seconds: list[float] = field(default_factory=list)
+    key_pool_bytes: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         skipped = f", {self.num_skipped} already captured" if self.num_skipped else ""
@@ -225,8 +231,12 @@ class CUDAGraphManager:
         with _frozen_gc(), tqdm(todo, desc=f"graphattn {verb}", unit="key",
                                 disable=not progress or not todo, leave=False) as bar:
             for key in bar:
+                t = time.perf_counter()
                 inputs = {k: v.clone() for k, v in make_inputs(key).items()}
                 self._captured[key] = self._capture_one(key, inputs)
+                report.key_seconds.append(time.perf_counter() - t)
+                report.key_pool_bytes.append(self._pool_bytes(reserved0) if self.use_graphs
+                                             else 0)
                 report.num_graphs += 1
         if self.use_graphs:
             torch.cuda.synchronize(self.device)

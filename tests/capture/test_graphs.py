@@ -30,6 +30,11 @@ def run_manager(device):
     m = CUDAGraphManager(toy_forward, device, pad_values={"slot": -1, "qsl": "edge"})
     report = m.capture(keys(), make_inputs(device))
     assert report.num_graphs == 3 and report.keys[0] == GraphKey(8, 8, 32, False)
+    # time and pool size per key, in capture order; the pool only grows
+    assert len(report.key_seconds) == len(report.key_pool_bytes) == 3
+    assert all(t > 0 for t in report.key_seconds)
+    assert report.key_pool_bytes == sorted(report.key_pool_bytes)
+    assert report.key_pool_bytes[-1] <= report.pool_bytes or device != "cuda"
     x = torch.randn(3, 3, device=device) + 0.5
     live = {"x": x, "slot": torch.tensor([4, 7, 1], device=device),
             "qsl": torch.tensor([0, 1, 3], dtype=torch.int32, device=device)}
