@@ -86,12 +86,13 @@ def build_generic(model_type):
 
 
 def serve_and_compare(model, unchecked=False, new=20):
-    """Greedy tokens and logits of 4 chunk-prefilled requests through HFCausalLM against the
-    model's own generate(); returns (ours, generate()'s, max logit difference)."""
+    """Greedy tokens and logits of 4 chunk-prefilled requests (one of 40 tokens) batched
+    through HFCausalLM, against each one's own generate() alone; returns (ours,
+    generate()'s, max logit difference)."""
     from graphattn.models.hf import HFCausalLM
 
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 128, n) for n in (13, 5, 9, 3)]
+    prompts = [rng.integers(0, 128, n) for n in (13, 5, 9, 40)]  # batched with a long one
     ref = [model.generate(torch.tensor(p)[None], max_new_tokens=new, do_sample=False,
                           output_logits=True, return_dict_in_generate=True) for p in prompts]
     hf = HFCausalLM(model, unchecked=unchecked)  # the user's model itself, no copy
