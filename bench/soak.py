@@ -88,7 +88,7 @@ def run(steps: int, seed: int = 0, device: str = "cpu", progress: bool = False) 
                 blocks.free(rid)
                 preempted.append((rid, prompt))
                 preemptions += 1
-            elif rid not in cached and n - st.num_pending_drafts_np[slot] >= prompt_len:
+            elif rid not in cached and st.lower_bounds(np.array([slot]))[0] >= prompt_len:
                 blocks.cache(rid, runner.token_ids[slot, :prompt_len].cpu().numpy())
                 cached.add(rid)  # its prompt's KV is written: later prompts hit it
         slots = np.array(sorted(st.req_id_to_slot.values()), np.int32)

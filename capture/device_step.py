@@ -16,6 +16,7 @@ from graphattn.backends import AttentionBuilder
 from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
+from graphattn.checks import is_integer_tensor
 from graphattn.compile import BucketCompiler
 from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
@@ -260,10 +261,8 @@ class DeviceStep:
 def _check_proposed(proposer: DraftProposer, drafts: Any, want: tuple[int, int],
                     device: torch.device) -> None:
     """ValueError unless a proposer's drafts are an integer tensor of `want` on `device`."""
-    ok = (isinstance(drafts, torch.Tensor) and tuple(drafts.shape) == want
-          and drafts.device == device and not drafts.is_floating_point()
-          and not drafts.is_complex() and drafts.dtype != torch.bool)
-    if not ok:
+    if not (is_integer_tensor(drafts) and tuple(drafts.shape) == want
+            and drafts.device == device):
         got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}"
                if isinstance(drafts, torch.Tensor) else type(drafts).__name__)
         raise ValueError(f"{type(proposer).__name__}.propose returned {got}, expected an "

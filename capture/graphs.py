@@ -246,11 +246,6 @@ class CUDAGraphManager:
             logger.info("%s", report)
         return report
 
-    def pool_bytes(self) -> int:
-        """Device memory the shared graph pool holds now (0 off CUDA)."""
-        return self._pool_bytes(torch.cuda.memory_reserved(self.device)) if (
-            self.use_graphs) else 0
-
     def _pool_bytes(self, reserved0: int) -> int:
         """Bytes of the allocator segments that belong to the shared graph pool."""
         segments = torch.cuda.memory_snapshot()

@@ -7,8 +7,9 @@ import numbers
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
-__all__ = ["INT32_MAX", "as_index", "as_int32_array"]
+__all__ = ["INT32_MAX", "as_index", "as_int32_array", "is_integer_tensor"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -46,3 +47,9 @@ def as_int32_array(name: str, value: np.ndarray | Sequence[int], lo: int = -INT3
             rng = f">= {lo}" if hi == INT32_MAX else f"in [{lo}, {hi}]"
             raise ValueError(f"{name}[{i}] = {arr[i]}, expected {rng}")
     return np.array(arr, dtype=np.int32, copy=True)
+
+
+def is_integer_tensor(value: object) -> bool:
+    """A tensor of integer ids: not floating, complex or bool."""
+    return isinstance(value, torch.Tensor) and not (
+        value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)

@@ -109,6 +109,21 @@ def _collect(state: RequestState, pending: Pending, reqs: Requests, eos: int = E
             reqs.finished.append((rid, produced, "eos" if tok == eos else "limit"))
 
 
+def _step(runner: GraphRunner, sched: SchedulerOutput, pending: Pending | None,
+          reqs: Requests, eos: int = EOS) -> tuple[StepOutput | None, Pending | None, int]:
+    """Launch `sched` (host syncs inside step() counted), then read the previous step's
+    tokens; returns the step's output, what to collect after the next one, and the syncs."""
+    state, out, nxt, syncs = runner.state, None, None, 0
+    if sched.num_reqs:
+        ids = {s: r for r, s in state.req_id_to_slot.items()}
+        with count_host_syncs() as counted:
+            out = runner.step(sched)  # launched before the previous step's tokens are read
+        syncs, nxt = counted.count, _pending(state, sched, out, ids)
+    if pending is not None:
+        _collect(state, pending, reqs, eos)
+    return out, nxt, syncs
+
+
 def _make_runner(device: str, max_reqs: int) -> GraphRunner:
     cfg = TinyConfig()
     model = TinyDecoder(cfg).to(device)
@@ -149,16 +164,9 @@ def _real(device: str, steps: int) -> int:
                     produced={f"chat{i}": [] for i in range(len(CHAT))})
     pending, syncs = None, 0
     while state.num_active or pending is not None:
-        sched = _schedule(state, 128) if state.num_active else None
-        out = None
-        if sched is not None and sched.num_reqs:
-            ids = {s: r for r, s in state.req_id_to_slot.items()}
-            with count_host_syncs() as counted:
-                out = runner.step(sched)
-            syncs += counted.count
-        if pending is not None:
-            _collect(state, pending, reqs, eos=tok.eos_token_id)
-        pending = None if out is None else _pending(state, sched, out, ids)
+        _, pending, counted = _step(runner, _schedule(state, 128), pending, reqs,
+                                    tok.eos_token_id)
+        syncs += counted
     for (_, toks, why), text in zip(sorted(reqs.finished), CHAT, strict=True):
         print(f"> {text}\n{tok.decode(toks, skip_special_tokens=True).strip()} ({why})\n")
     print(f"host syncs in step(): {syncs}")
@@ -196,20 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         next_id = _admit(runner, rng, next_id, reqs)
         sched = _schedule(state, args.token_budget)
-        ids = {s: r for r, s in state.req_id_to_slot.items()}
-        out = None
-        if sched.num_reqs:
-            bound = state.batch_shape(sched).max_seq_len
-            with count_host_syncs() as syncs:
-                out = runner.step(sched)  # launched before the previous step's tokens are read
-            total_syncs += syncs.count
+        bound = state.batch_shape(sched).max_seq_len if sched.num_reqs else 0
+        out, pending, syncs = _step(runner, sched, pending, reqs)
+        total_syncs += syncs
+        if out is not None:
             ran = out.mode.value if args.device == "cuda" else "eager at its shapes"
             how = f"{out.key} ({ran})" if out.key else "no key fits (eager)"
             print(f"{step:>4} {sched.num_reqs:>4} {sched.total_num_scheduled_tokens:>6} "
-                  f"{bound:>9}  {how:<48} {syncs.count:>5} {1e3 * out.host_seconds:>8.2f}")
-        if pending is not None:
-            _collect(state, pending, reqs)
-        pending = _pending(state, sched, out, ids) if out is not None else None
+                  f"{bound:>9}  {how:<48} {syncs:>5} {1e3 * out.host_seconds:>8.2f}")
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_all

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphattn.checks import INT32_MAX, as_int32_array
+from graphattn.checks import INT32_MAX, as_int32_array, is_integer_tensor
 from graphattn.state import RequestState, SchedulerOutput
 
 __all__ = ["FeedbackResult", "RejectionFeedback", "apply_rejections", "check_drafts",
@@ -251,8 +251,7 @@ def _check_draft_tensor(drafts: torch.Tensor, want: tuple[int, int],
     if has_proposer:
         raise ValueError("draft_token_ids as a device tensor needs a runner without a "
                          "proposer (its proposer drafts rows given no host ids)")
-    integer = not (drafts.is_floating_point() or drafts.is_complex() or drafts.dtype == torch.bool)
-    if tuple(drafts.shape) != want or not integer:
+    if tuple(drafts.shape) != want or not is_integer_tensor(drafts):
         raise ValueError(f"draft_token_ids as a tensor on {drafts.device} must be integer of "
                          f"shape {want} (rows, decode_query_len - 1), got {drafts.dtype} "
                          f"{tuple(drafts.shape)}")

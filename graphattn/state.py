@@ -306,15 +306,16 @@ class RequestState:
         if np.unique(np.concatenate([own, blocks])).size != have + blocks.size:
             raise ValueError(f"request {req_id!r}: block ids repeat (or are its own already): "
                              f"{blocks.tolist()}")
-        live = self._live_slots()
+        live = np.flatnonzero(self.active_np)
         live = live[live != mine]
-        table = self.block_table_np[live]
-        lowers = (self.num_computed_tokens_np[live].astype(np.int64)
-                  - self.num_pending_drafts_np[live])
-        return blocks, self.holders.plan(req_id, blocks, have, lower, live, table, lowers)
+        return blocks, self.holders.plan(req_id, blocks, have, lower, live,
+                                         self.block_table_np[live], self.lower_bounds(live))
 
-    def _live_slots(self) -> np.ndarray:
-        return np.flatnonzero(self.active_np)
+    def lower_bounds(self, slots: np.ndarray) -> np.ndarray:
+        """int64 [len(slots)]: mirror - pending drafts, which the true count never falls
+        below (and which never decreases)."""
+        computed = self.num_computed_tokens_np[slots].astype(np.int64)
+        return computed - self.num_pending_drafts_np[slots]
 
     def append_blocks(self, req_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
         """Give a running request more KV-cache blocks (validated first, as in add_request)."""
@@ -322,8 +323,8 @@ class RequestState:
             raise ValueError(f"unknown request {req_id!r}")
         slot = self.req_id_to_slot[req_id]
         have = int(self.num_blocks_np[slot])
-        lower = int(self.num_computed_tokens_np[slot]) - int(self.num_pending_drafts_np[slot])
-        blocks, share = self._check_blocks(req_id, block_ids, have, 0, lower)
+        blocks, share = self._check_blocks(req_id, block_ids, have, 0,
+                                           int(self.lower_bounds(np.array([slot]))[0]))
         n = blocks.shape[0]
         self.holders.add(slot, blocks, share)
         self.block_table_np[slot, have : have + n] = blocks
@@ -369,8 +370,7 @@ class RequestState:
         """
         slots = sched.req_slots
         computed = self.num_computed_tokens_np[slots]
-        self.holders.check_writes(slots, computed.astype(np.int64)
-                                  - self.num_pending_drafts_np[slots])
+        self.holders.check_writes(slots, self.lower_bounds(slots))
         prompt = self.num_prompt_tokens_np[slots]
         drafts = 0 if sched.num_draft_tokens is None else sched.num_draft_tokens
         most = np.where(computed < prompt, prompt - computed, 1 + drafts)

@@ -127,7 +127,7 @@ class HFEncoderDecoder(HFCausalLM):
         x = torch.as_tensor(x)
         if x.dim() == 3 and x.shape[0] == 1:
             x = x[0]
-        if tuple(x.shape) != want or not x.is_floating_point():
+        if tuple(x.shape) != want:
             raise ValueError(f"encoder_inputs must be float input features of shape {want}, got "
                              f"shape {tuple(x.shape)} dtype {x.dtype}")
         p = next(self.model.parameters())
