@@ -11,11 +11,14 @@ generate(): what decides which families are accepted.
 """
 
 import argparse
+import datetime
 import json
 import multiprocessing
 import resource
+from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 
 from tests.graphattn.models.test_hf_encoder_decoder import (
@@ -50,11 +53,11 @@ def _isolated(model_type: str, conn: Any) -> None:
     conn.send(sweep_one(model_type))
 
 
-def sweep(only: list[str] | None, timeout: float = 120.0) -> None:
+def sweep(only: list[str] | None, timeout: float = 120.0) -> list[dict]:
     """Each family in a forked process (memory-capped, timed out), one JSON line each."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    ctx = multiprocessing.get_context("fork")
+    ctx, rows = multiprocessing.get_context("fork"), []
     for model_type in only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_isolated, args=(model_type, send))
@@ -68,6 +71,8 @@ def sweep(only: list[str] | None, timeout: float = 120.0) -> None:
         proc.kill()
         proc.join()
         print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -75,9 +80,18 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="run every causal-LM family")
     ap.add_argument("--only", default=None, help="comma-separated model types to sweep")
+    ap.add_argument("--out", default=None, help="folder for hf_families_sweep.json")
     args = ap.parse_args()
     if args.sweep:
-        sweep(args.only.split(",") if args.only else None)
+        rows = sweep(args.only.split(",") if args.only else None)
+        if args.out:
+            meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "command": "python -m bench.hf_families --sweep"
+                               + (f" --only {args.only}" if args.only else "")}
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "hf_families_sweep.json").write_text(
+                json.dumps({**meta, "rows": rows}, indent=1))
         return
     table()
 
