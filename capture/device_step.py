@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from graphattn.backends import AttentionBuilder
+from graphattn.backends import AttentionBuilder, BuilderContext
 from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
@@ -21,8 +21,8 @@ from graphattn.compile import BucketCompiler
 from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
-from graphattn.proposer import DraftProposer
-from graphattn.sampling import SamplingTable
+from graphattn.proposer import DraftProposer, StepDrafter
+from graphattn.sampling import ACCEPT_SALT, RESIDUAL_SALT, SamplingTable, rejection_sample
 from graphattn.state import RequestState
 
 __all__ = ["DeviceStep", "ModelForward", "StepTensors"]
@@ -52,7 +52,10 @@ class DeviceStep:
     sampler : SamplingTable, optional
         Per-slot sampling parameters (None: greedy, no logprobs).
     proposer : DraftProposer, optional
-        Drafts inside the step for rows given none.
+        Drafts inside the step for rows given none. A `StepDrafter` (a draft model) is
+        bound to the state here and follows every step.
+    context : BuilderContext, optional
+        What a `StepDrafter` builds its metadata with (the runner's).
     piecewise : PiecewiseCompiler, optional
         The split forward of piecewise keys.
     profiler : StageProfiler
@@ -76,7 +79,8 @@ class DeviceStep:
                  decode_query_len: int, static_input_names: Sequence[str],
                  compile: CompileConfig, vocab_size: int | None,
                  sampler: SamplingTable | None, proposer: DraftProposer | None,
-                 piecewise: PiecewiseCompiler | None, profiler: StageProfiler) -> None:
+                 piecewise: PiecewiseCompiler | None, profiler: StageProfiler,
+                 context: BuilderContext | None = None) -> None:
         self.forward, self.state, self.builder = forward, state, builder
         self.decode_query_len = decode_query_len
         self.static_input_names = tuple(static_input_names)
@@ -97,6 +101,12 @@ class DeviceStep:
         self.token_ids = torch.zeros(state.max_num_reqs, state.max_model_len + 1,
                                      dtype=torch.int64, device=dev)
         self.prompt_lens = torch.zeros(state.max_num_reqs, dtype=torch.int32, device=dev)
+        self.drafter = proposer if isinstance(proposer, StepDrafter) else None
+        if self.drafter is not None:
+            if context is None:
+                raise ValueError("a StepDrafter proposer needs the runner's BuilderContext")
+            self.drafter.bind(state, context, sampler)
+            _check_vocab(self.drafter, vocab_size)
         if proposer is not None and decode_query_len > 1:  # refused now, not at a step
             one = torch.zeros(1, dtype=torch.int32, device=dev)
             _check_proposed(proposer, proposer.propose(self.token_ids, one, one,
@@ -131,7 +141,9 @@ class DeviceStep:
         batch = assemble_batch(self.state, plan, packed,
                                self.assembler if compiled else assemble_tensors)
         with self.profiler.range("build", key):
-            meta = self.builder.build(build_common_metadata(batch), key)
+            common = build_common_metadata(batch)
+            meta = self.builder.build(common, key)
+            draft = None if self.drafter is None else self.drafter.plan(batch, common, key)
         spec = self.decode_query_len > 1 and (
             key is None or not key.uniform_decode or key.query_len > 1)
         # one token per row, row r's at index r: the logits need no gather
@@ -139,15 +151,16 @@ class DeviceStep:
                   and key.num_tokens_padded == key.num_reqs_padded)
         if compiled:  # compiled code may advance the truth at any point of its run
             self.advanced = True
-            return self.compiler(batch, meta, spec, single)
-        return self._run(batch, meta, spec, single, self.piecewise if piecewise else self.forward)
+            return self.compiler(batch, meta, spec, single, draft)
+        return self._run(batch, meta, spec, single, self.piecewise if piecewise else self.forward,
+                         draft)
 
     def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
-                      single: bool) -> StepTensors:
-        return self._run(batch, meta, spec, single, self.forward)
+                      single: bool, draft: Any) -> StepTensors:
+        return self._run(batch, meta, spec, single, self.forward, draft)
 
     def _run(self, batch: InputBatch, meta: Any, spec: bool, single: bool,
-             forward: Callable[..., torch.Tensor]) -> StepTensors:
+             forward: Callable[..., torch.Tensor], draft: Any = None) -> StepTensors:
         """Token ids in, forward, sampling or verification, write-back and the truth's
         advance (pure device work). `single`: every row has one token, row r's at index r,
         so the logits are the forward's own rows (no gather). A forward that reads
@@ -156,7 +169,7 @@ class DeviceStep:
         ids = self.token_ids[batch.token_slots, batch.positions]
         if spec:  # each token's row and offset in it, shared by drafting and verification
             offsets = self._offsets(batch, ids.shape[0])
-            ids = self._with_drafts(batch, ids, offsets)
+            ids, proposed = self._with_drafts(batch, ids, offsets)
         # a plain step needs logits at each row's last token only, and at most max_num_reqs
         # rows are real: later (padded) rows take no part after the forward
         rows = min(batch.req_slots.shape[0], self.state.max_num_reqs)
@@ -166,7 +179,8 @@ class DeviceStep:
                   "logits_indices": at}
         logits = forward({n: inputs[n] for n in self.static_input_names}, meta)
         if spec:  # logits at every token either way
-            return self._finish(batch, *self._verify(batch, ids, logits, offsets), spec)
+            return self._finish(batch, *self._verify(batch, ids, logits, offsets, proposed),
+                                spec, ids, draft)
         gathered = single or "logits_indices" in self.static_input_names
         logits = (logits if gathered else logits[at])[:rows]
         slots = batch.req_slots[:rows]
@@ -177,13 +191,13 @@ class DeviceStep:
         # no row of a plain step carries drafts (num_drafts is 0 throughout), so none is
         # rejected: the input itself, not a fill launched per step
         return self._finish(batch, logits, sampled, logprobs, batch.num_drafts[:rows], emitted,
-                            spec)
+                            spec, ids, draft)
 
     def _finish(self, batch: InputBatch, logits: torch.Tensor, sampled: torch.Tensor,
                 logprobs: torch.Tensor | None, rejected: torch.Tensor, emitted: torch.Tensor,
-                spec: bool) -> StepTensors:
-        """Write each finished row's token back and advance the truth (its first
-        ``sampled.shape[0]`` rows: the rest are padding)."""
+                spec: bool, ids: torch.Tensor, draft: Any) -> StepTensors:
+        """Write each finished row's token back, advance the truth (its first
+        ``sampled.shape[0]`` rows: the rest are padding) and let a draft model follow."""
         rows, st = sampled.shape[0], self.state
         slots, scheduled = batch.req_slots[:rows], batch.num_scheduled[:rows]
         seq = batch.seq_lens[:rows].long() - (rejected if spec else 0)
@@ -193,6 +207,8 @@ class DeviceStep:
         if not torch.compiler.is_compiling():
             self.advanced = True  # from here on the step counts (the mirror keeps it)
         st.advance_device(slots, scheduled, rejected if spec else None)
+        if self.drafter is not None:
+            self.drafter.observe(draft, ids, batch, sampled, seq, done)
         return logits, sampled, logprobs, rejected, emitted
 
     def _offsets(self, batch: InputBatch, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,10 +218,12 @@ class DeviceStep:
         )[rows]
 
     def _with_drafts(self, batch: InputBatch, ids: torch.Tensor,
-                     offsets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                     offsets: tuple[torch.Tensor, torch.Tensor],
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`ids` with each row's drafts in place: the host's (in the packed buffer), else
         the proposer's, else those a device tensor left in `slot_drafts` (ids outside the
-        vocabulary count as no draft); drafts are written to the token buffer."""
+        vocabulary count as no draft); drafts are written to the token buffer. Also returns
+        bool [T]: the tokens whose draft the proposer made."""
         t, k = ids.shape[0], self.decode_query_len - 1
         rows, offset = offsets
         drafts = batch.draft_ids.long()
@@ -224,19 +242,25 @@ class DeviceStep:
         ids = torch.where(is_draft, drafts, ids)
         col = torch.where(is_draft, batch.positions, self.state.max_model_len)
         self.token_ids[batch.token_slots, col] = ids  # non-draft tokens: the spare column
-        return ids
+        return ids, wanted & is_draft & (self.proposer is not None)
 
-    def _verify(self, batch: InputBatch, ids: torch.Tensor,
-                logits_all: torch.Tensor,
-                offsets: tuple[torch.Tensor, torch.Tensor]) -> StepTensors:
+    def _verify(self, batch: InputBatch, ids: torch.Tensor, logits_all: torch.Tensor,
+                offsets: tuple[torch.Tensor, torch.Tensor],
+                proposed: torch.Tensor) -> StepTensors:
         """Accept each row's drafts up to the first the target disagrees with."""
         t, width = ids.shape[0], self.decode_query_len
         rows, offset = offsets
         qsl = batch.query_start_loc.long()
         num_drafts = batch.num_drafts.long()
-        target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
         nxt = torch.cat([ids[1:], ids.new_full((1,), -1)])
-        bad = (offset < num_drafts[rows]) & (target != nxt)
+        checked = offset < num_drafts[rows]  # the next token is a draft of this row
+        target, lp_all = self._sample(logits_all, batch.token_slots, batch.positions + 1)
+        probs = getattr(self.drafter, "draft_probs", None)
+        if probs is not None and self.sampler is not None:
+            target, lp_all = self._rejection_sample(
+                batch, logits_all, target, nxt, checked,
+                torch.cat([proposed[1:], proposed.new_zeros(1)]), offset, probs)
+        bad = checked & (target != nxt)
         first_bad = torch.full_like(num_drafts, t).scatter_reduce(
             0, rows, torch.where(bad, offset, t), "amin")
         accepted = torch.minimum(first_bad, num_drafts)
@@ -251,11 +275,42 @@ class DeviceStep:
         emitted = torch.where(j <= accepted[:, None], target[at], -1)
         return logits_all[out_idx], target[out_idx], logprobs, rejected, emitted
 
+    def _rejection_sample(self, batch: InputBatch, logits: torch.Tensor, target: torch.Tensor,
+                          nxt: torch.Tensor, checked: torch.Tensor, from_drafter: torch.Tensor,
+                          offset: torch.Tensor, draft_probs: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled rows whose drafts came with their distribution q: keep each draft with
+        probability min(1, p / q), else draw from the residual (`rejection_sample`), so the
+        tokens follow the target's distribution; other drafts count as point masses (the
+        sample-and-match of `_verify`, which is exact for them)."""
+        sampler, slots = self.sampler, batch.token_slots
+        pos = batch.positions + 1
+        p = sampler.probs(logits, slots)
+        q = draft_probs[slots, offset.clamp(0, draft_probs.shape[1] - 1)]
+        q = torch.where(from_drafter[:, None], q, torch.zeros_like(q).scatter_(
+            1, nxt.clamp(min=0)[:, None], 1.0))
+        zero = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        accept_u = sampler.uniform(slots, pos, zero, ACCEPT_SALT)[:, 0]
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        residual_u = sampler.uniform(slots, pos, vocab, RESIDUAL_SALT)
+        _, token = rejection_sample(p, q, torch.where(checked, nxt, -1), accept_u, residual_u)
+        sampled = (sampler.temperature[slots] > 0) & checked
+        target = torch.where(sampled, token, target)
+        return target, torch.log_softmax(logits.float(), -1).gather(1, target[:, None])[:, 0]
+
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sampler is None:  # greedy, no log-probabilities
             return logits.argmax(-1), None
         return self.sampler.sample(logits, slots, positions)
+
+
+def _check_vocab(drafter: StepDrafter, vocab_size: int | None) -> None:
+    """ValueError when a draft model's vocabulary differs from the target's."""
+    mine = getattr(drafter, "vocab_size", None)
+    if vocab_size and mine and mine != vocab_size:
+        raise ValueError(f"the draft model's vocab_size = {mine}, expected the target's "
+                         f"{vocab_size}")
 
 
 def _check_proposed(proposer: DraftProposer, drafts: Any, want: tuple[int, int],

@@ -100,9 +100,9 @@ class GraphRunner:
         Picks each step's key; given, it replaces the config's `policy` and
         `cudagraph_mode` (which must then stay at their defaults).
     proposer : DraftProposer, optional
-        Proposes drafts inside the step (e.g. `graphattn.proposer.NgramProposer`) for rows
-        the schedule gives drafts when step() gets no draft_token_ids; verified in the same
-        step (and graph).
+        Proposes drafts inside the step (`graphattn.proposer.NgramProposer`, or a draft
+        model: `graphattn.capture.drafter.DraftModelProposer`) for rows the schedule gives
+        drafts when step() gets no draft_token_ids; verified in the same step (and graph).
     profiler : StageProfiler, optional
         NVTX / torch.profiler ranges per stage.
     """
@@ -127,9 +127,9 @@ class GraphRunner:
         check_backend(forward, self.backend, spec.impl_cls)
         self.dispatcher = d = GraphDispatcher.for_runner(
             config, state.max_model_len, state.max_num_reqs, spec.capture_support, dispatcher)
-        self.builder = resolve_builder(spec, BuilderContext(
-            state.block_size, d.decode_query_len, state.max_model_len, d.length_buckets,
-            state.device), builder)
+        context = BuilderContext(state.block_size, d.decode_query_len, state.max_model_len,
+                                 d.length_buckets, state.device)
+        self.builder = resolve_builder(spec, context, builder)
         self.profiler = profiler or StageProfiler(enabled=False)
         compiled = config.compile.enabled
         # compiled: two warm-ups compile (and autotune) whatever the first run's side effects
@@ -146,7 +146,7 @@ class GraphRunner:
         self.device_step = DeviceStep(
             forward, state, self.builder, self.dispatcher.decode_query_len,
             self.static_input_names, config.compile, self.vocab_size, sampler, proposer,
-            self.piecewise, self.profiler)
+            self.piecewise, self.profiler, context)
         self._init_host()
 
     @property

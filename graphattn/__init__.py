@@ -22,6 +22,7 @@ _HOMES = {
     "BucketPolicy": "graphattn.buckets",
     "CompileConfig": "graphattn.config",
     "CUDAGraphMode": "graphattn.keys",
+    "DraftModelProposer": "graphattn.capture.drafter",
     "GraphKey": "graphattn.keys",
     "GraphRunner": "graphattn.capture.runner",
     "NgramProposer": "graphattn.proposer",
@@ -37,6 +38,7 @@ __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
     from graphattn.buckets import BucketPolicy
+    from graphattn.capture.drafter import DraftModelProposer
     from graphattn.capture.runner import GraphRunner
     from graphattn.capture.step_output import StepOutput
     from graphattn.config import CompileConfig, RunnerConfig

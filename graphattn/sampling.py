@@ -14,10 +14,12 @@ import torch
 
 from graphattn.checks import as_index
 
-__all__ = ["SamplingParams", "SamplingTable", "hash_uniform"]
+__all__ = ["SamplingParams", "SamplingTable", "hash_uniform", "rejection_sample"]
 
 _M1, _M2, _M3 = -7046029254386353131, -4658895280553007687, 7640891576956012809
 _MASK53 = (1 << 53) - 1
+# seeded draws of different purposes at one position use disjoint hash counters
+DRAFT_SALT, ACCEPT_SALT, RESIDUAL_SALT = 1 << 40, 2 << 40, 3 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,3 +132,83 @@ class SamplingTable:
         tokens = torch.where(greedy, x.argmax(-1), drawn)
         logprobs = torch.log_softmax(x, -1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs
+
+    def probs(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row's sampling distribution: softmax(logits / temperature) restricted to
+        top_k and top_p, one-hot at the argmax for greedy rows (capturable).
+
+        Parameters
+        ----------
+        logits : [n, vocab]
+        slots : int64 [n]
+
+        Returns
+        -------
+        torch.Tensor
+            float32 [n, vocab], rows summing to 1.
+        """
+        x = logits.float()
+        t = self.temperature[slots]
+        greedy = t <= 0
+        vals, idx = (x / torch.where(greedy, torch.ones_like(t), t)[:, None]).sort(
+            -1, descending=True)
+        rank = torch.arange(x.shape[-1], device=x.device)
+        k = self.top_k[slots]
+        keep = (k[:, None] <= 0) | (rank[None] < k[:, None])
+        sorted_p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
+        keep &= (sorted_p.cumsum(-1) - sorted_p) < self.top_p[slots][:, None]
+        sorted_p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
+        p = torch.zeros_like(x).scatter_(1, idx, sorted_p)
+        one_hot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+        return torch.where(greedy[:, None], one_hot, p)
+
+    def uniform(self, slots: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
+                salt: int) -> torch.Tensor:
+        """float32 uniforms [n, c]: the seeded hash of (seed, position, column + salt) for
+        seeded rows, the device generator's otherwise (columns: int64 [n, c] or [c])."""
+        cols = columns if columns.dim() == 2 else columns[None].expand(slots.shape[0], -1)
+        hashed = hash_uniform(self.seed[slots][:, None], positions[:, None], cols + salt)
+        return torch.where(self.seeded[slots][:, None], hashed, torch.rand_like(hashed))
+
+    def draw(self, probs: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             salt: int) -> torch.Tensor:
+        """int64 [n] tokens drawn from `probs` [n, vocab] (Gumbel-max; zero mass never
+        drawn), with this table's noise for each row's slot and position."""
+        u = self.uniform(slots, positions, torch.arange(probs.shape[-1], device=probs.device),
+                         salt)
+        return (probs.log() - torch.log(-torch.log(u))).argmax(-1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     drafts: torch.Tensor, accept_u: torch.Tensor,
+                     residual_draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one draft per row (Leviathan et al.; Chen et al.): the draft
+    d ~ q is kept with probability min(1, p(d) / q(d)); else a token is drawn from the
+    residual max(0, p - q) / sum, so the kept-or-drawn token follows p exactly.
+
+    Parameters
+    ----------
+    target_probs, draft_probs : float32 [n, vocab]
+        p and q at each row's draft position.
+    drafts : int64 [n]
+        The drafts (drawn from q).
+    accept_u : float32 [n]
+        Uniforms in (0, 1).
+    residual_draw : torch.Tensor
+        float32 [n, vocab] uniforms in (0, 1) for the residual's Gumbel-max draw.
+
+    Returns
+    -------
+    accepted : bool [n]
+    token : int64 [n]
+        The draft where accepted, the residual's draw elsewhere.
+    """
+    d = drafts.clamp(min=0)[:, None]
+    p_d = target_probs.gather(1, d).squeeze(1)
+    q_d = draft_probs.gather(1, d).squeeze(1)
+    accepted = (drafts >= 0) & (accept_u * q_d <= p_d)
+    residual = (target_probs - draft_probs).clamp(min=0)
+    # p == q leaves no residual (and a rejection then has probability 0): fall back to p
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs)
+    drawn = (residual.log() - torch.log(-torch.log(residual_draw))).argmax(-1)
+    return accepted, torch.where(accepted, drafts, drawn)

@@ -12,6 +12,8 @@
 #                  PROFILE_SHAPES="B:L ..."), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
 #   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all)
+#   spec-MODEL     python -m bench.speculative --model MODEL (plain, n-gram, draft models)
+#   prefix         python -m bench.prefix_cache, 1,024- and 4,096-token shared prompts
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -78,6 +80,17 @@ for part in "$@"; do
         --max-reqs "${STARTUP_REQS:-64}" --out "$OUT" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' \
         | tee -a "$OUT/startup.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
+    spec-*)
+      python3 -m bench.speculative --model "${part#spec-}" --out "$OUT" 2>&1 \
+        | tr '\r' '\n' | grep -v 'it/s\]' | tee -a "$OUT/speculative.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    prefix)
+      for p in 1024 4096; do
+        mkdir -p "$OUT/prefix_$p"
+        python3 -m bench.prefix_cache --model "${PREFIX_MODEL:-1b}" --prefix $p \
+          --requests 16 --out "$OUT/prefix_$p" 2>&1 | tee -a "$OUT/prefix_cache.txt"
+        rc=$((rc | PIPESTATUS[0]))
+      done ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac
 done

@@ -54,3 +54,40 @@ def test_greedy_and_sampled_rows_mix_in_one_call():
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     again, _ = table.sample(logits, torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4]))
     assert torch.equal(tokens, again)  # seeded: the same draw for the same position
+
+
+def test_rejection_sample_keeps_the_target_distribution():
+    """Drafts drawn from q, kept with min(1, p/q), else drawn from max(0, p - q): the output
+    follows p (200,000 draws on a 6-token vocabulary, fresh random p and q)."""
+    from graphattn.sampling import rejection_sample
+
+    gen = torch.Generator().manual_seed(0)
+    n, v = 200_000, 6
+    p = torch.softmax(2 * torch.randn(v, generator=gen), -1)
+    q = torch.softmax(2 * torch.randn(v, generator=gen), -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+    with no_host_sync():
+        accepted, tokens = rejection_sample(
+            p.expand(n, v), q.expand(n, v), drafts, torch.rand(n, generator=gen),
+            torch.rand(n, v, generator=gen).clamp(1e-12, 1 - 1e-12))
+    freq = torch.bincount(tokens, minlength=v).double() / n
+    assert (freq - p.double()).abs().max() < 0.005
+    assert abs(accepted.double().mean() - torch.minimum(p, q).sum()) < 0.005
+    assert torch.equal(tokens[accepted], drafts[accepted])
+    same, _ = rejection_sample(p.expand(4, v), p.expand(4, v), drafts[:4], torch.rand(4),
+                               torch.rand(4, v))
+    assert same.all()  # q = p: every draft kept
+
+
+def test_probs_is_the_sampling_distribution():
+    table = SamplingTable(3, "cpu")
+    table.set(1, SamplingParams(temperature=0.7, top_k=3))
+    table.set(2, SamplingParams(temperature=1.0, top_p=0.8))
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(3, -1)
+    with no_host_sync():
+        p = table.probs(logits, torch.arange(3))
+    assert p[0].tolist() == [1, 0, 0, 0, 0, 0]  # greedy: the argmax
+    top3 = torch.softmax(logits[0, :3] / 0.7, -1)
+    torch.testing.assert_close(p[1], torch.cat([top3, torch.zeros(3)]))
+    top_p = torch.softmax(logits[0, :3], -1)  # 0.55, 0.20, 0.12 of the full: 3 kept
+    torch.testing.assert_close(p[2], torch.cat([top_p, torch.zeros(3)]))

@@ -1,0 +1,241 @@
+"""DraftModelProposer: a draft model inside the step, on its own paged cache and CPU bounds.
+
+A draft with the target's weights drafts exactly what the target would sample (100%
+acceptance); any draft leaves the tokens those of plain greedy decoding. Every step runs
+under no_host_sync()."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from graphattn import (
+    CUDAGraphMode,
+    DraftModelProposer,
+    GraphRunner,
+    RunnerConfig,
+    SamplingParams,
+    SchedulerOutput,
+)
+from graphattn.buckets import BucketPolicy
+from graphattn.models.tiny import TinyConfig, TinyDecoder
+from graphattn.state import RequestState
+from graphattn.sync import no_host_sync
+
+K = 3
+PROMPTS = [[5, 3, 9, 1, 7], [2, 8, 8, 4, 6, 1, 9, 3, 3, 7, 2, 11, 5]]
+
+
+def dtype_of(device):  # float64 on CPU; float32 on CUDA (the Triton kernel's fp32 path)
+    return torch.float64 if device == "cpu" else torch.float32
+
+
+def target_model(device):
+    torch.manual_seed(0)
+    return TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(device, dtype_of(device))
+
+
+def small_draft(device):
+    torch.manual_seed(1)
+    return TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1)).to(
+        device, dtype_of(device))
+
+
+def make(draft=None, q=K + 1, device="cpu", mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+         compile=False, sampling=False):
+    model = target_model(device)
+    st = RequestState(2, 96, 8, device)
+    blocks = 2 * st.max_num_blocks_per_req
+    model.allocate_caches(blocks, 8)
+    proposer = None
+    if draft is not None:
+        drafter = copy.deepcopy(model) if draft == "target" else draft(device)
+        drafter.allocate_caches(blocks, 8)
+        proposer = DraftModelProposer(drafter)
+    policy = BucketPolicy(capture_sizes=(1, 2), length_boundaries=(32, 64),
+                          mixed_token_sizes=(16,), decode_query_len=q,
+                          piecewise_token_sizes=(8, 16) if mode.has_piecewise else ())
+    runner = GraphRunner(model, st, RunnerConfig(policy=policy, cudagraph_mode=mode,
+                                                 compile=compile, sampling=sampling),
+                         proposer=proposer)
+    if mode != CUDAGraphMode.NONE:
+        runner.capture(progress=False)
+    return st, runner
+
+
+def serve(runner, prompts, n, chunk=4, between=None, sampling=None):
+    """Prefill `chunk` tokens a step, then verify K drafts a step, until each request has
+    `n` tokens; returns (tokens per request, accepted, drafted)."""
+    st = runner.state
+    slots = np.array([runner.add_request(f"r{i}", p, sampling=sampling)
+                      for i, p in enumerate(prompts)], np.int32)
+    got, accepted, drafted = [[] for _ in prompts], 0, 0
+    while min(len(g) for g in got) < n:
+        left = st.num_prompt_tokens_np[slots] - st.num_computed_tokens_np[slots]
+        decode = left <= 0
+        sched = SchedulerOutput(slots, np.where(decode, K + 1, np.minimum(left, chunk)),
+                                np.where(decode, K, 0))
+        with no_host_sync():
+            out = runner.step(sched)
+        emitted = out.emitted_host.wait()
+        for j in np.flatnonzero(decode | (left <= chunk)):
+            row = emitted[j][emitted[j] >= 0].tolist()
+            got[j] += row
+            if decode[j]:
+                accepted, drafted = accepted + len(row) - 1, drafted + K
+        runner.apply_feedback(out)
+        if between is not None:
+            between(runner)
+    return [g[:n] for g in got], accepted, drafted
+
+
+def plain_greedy(prompts, n, device="cpu"):
+    st, runner = make(q=1, device=device)
+    slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
+    got = [[] for _ in prompts]
+    for j, (s, p) in enumerate(zip(slots, prompts, strict=True)):
+        got[j].append(int(runner.step(SchedulerOutput(np.array([s]), np.array([len(p)])))
+                          .sampled[0]))
+    while min(len(g) for g in got) < n:
+        out = runner.step(SchedulerOutput(slots, np.ones(len(slots), np.int32)))
+        for j in range(len(prompts)):
+            got[j].append(int(out.sampled[j]))
+    return [g[:n] for g in got]
+
+
+@pytest.mark.parametrize(("mode", "compile", "device"), [
+    (CUDAGraphMode.FULL_AND_PIECEWISE, False, "cpu"),
+    (CUDAGraphMode.PIECEWISE, False, "cpu"),
+    (CUDAGraphMode.NONE, False, "cpu"),
+    (CUDAGraphMode.FULL_AND_PIECEWISE, True, "cpu"),
+    pytest.param(CUDAGraphMode.FULL_AND_PIECEWISE, False, "cuda", marks=pytest.mark.cuda),
+    pytest.param(CUDAGraphMode.FULL_AND_PIECEWISE, True, "cuda", marks=pytest.mark.cuda)],
+    ids=["full", "piecewise", "eager", "compiled", "cuda-full", "cuda-compiled"])
+def test_draft_equal_to_target_accepts_every_draft(mode, compile, device):
+    """Two requests, chunked prefill beside verify steps (mixed keys), every step replayed
+    under no_host_sync(): tokens are plain greedy decoding's, every draft accepted."""
+    n = 30
+    want = plain_greedy(PROMPTS, n, device)
+    st, runner = make("target", device=device, mode=mode, compile=compile)
+    got, accepted, drafted = serve(runner, PROMPTS, n)
+    assert got == want
+    assert accepted == drafted > 0
+
+
+def test_small_random_draft_keeps_greedy_tokens():
+    want = plain_greedy(PROMPTS, 30)
+    st, runner = make(small_draft)
+    got, accepted, drafted = serve(runner, PROMPTS, 30)
+    assert got == want
+    assert accepted < drafted
+
+
+def poison_past_truth(runner):
+    """Large finite values in every cache slot at or past each live request's true length
+    (the rejected drafts' KV and the drafts' own): read as valid, they would change the
+    logits; masked, they change nothing."""
+    st = runner.state
+    gen = torch.Generator().manual_seed(int(st.num_steps))
+    models = (runner.forward, runner.device_step.proposer.model)
+    for slot in np.flatnonzero(st.active_np):
+        truth = int(st.num_computed_tokens[slot])
+        blocks = st.block_table_np[slot, : st.num_blocks_np[slot]]
+        for pos in range(truth, blocks.shape[0] * st.block_size):
+            b, off = blocks[pos // st.block_size], pos % st.block_size
+            for model in models:
+                for pair in model.caches:
+                    for cache in pair:
+                        cache[b, off] = 1e3 * torch.randn(cache[b, off].shape, generator=gen,
+                                                          dtype=cache.dtype)
+
+
+def test_rejected_draft_slots_are_never_read_as_valid():
+    want = plain_greedy(PROMPTS, 30)
+    st, runner = make("target")
+    got, accepted, drafted = serve(runner, PROMPTS, 30, between=poison_past_truth)
+    assert got == want and accepted == drafted
+    st, runner = make(small_draft)
+    got, accepted, drafted = serve(runner, PROMPTS, 30, between=poison_past_truth)
+    assert got == want and accepted < drafted
+
+
+def test_dummy_runs_between_steps_change_nothing():
+    """A data-parallel rank's padded replays run the drafter on padded rows only."""
+    want = plain_greedy(PROMPTS, 24)
+    st, runner = make("target")
+    keys = runner.dispatcher.all_keys()
+
+    def dummies(r):
+        for key in keys[:3]:
+            r.dummy_run(key)
+
+    got, accepted, drafted = serve(runner, PROMPTS, 24, between=dummies)
+    assert got == want and accepted == drafted
+
+
+def test_resumed_request_keeps_drafting_from_its_kept_blocks():
+    """Preempted after some tokens and resumed with its first 16 tokens kept (prompt +
+    generated as the new prompt): the draft cache of those blocks is still right."""
+    prompt, n = PROMPTS[1], 30
+    want = plain_greedy([prompt], n)[0]
+    st, runner = make("target")
+    first, accepted, drafted = serve(runner, [prompt], 9)
+    blocks = st.block_table_np[0, : st.num_blocks_np[0]].copy()
+    st.remove_request("r0")
+    resumed = prompt + first[0]
+    slot = runner.add_request("r0", resumed, blocks, num_computed_tokens=16)
+    assert slot == 0
+    rest, acc2, drafted2 = serve_resumed(runner, slot, len(resumed), n - len(first[0]))
+    assert first[0] + rest == want
+    assert accepted + acc2 == drafted + drafted2
+
+
+def serve_resumed(runner, slot, prompt_len, n):
+    st, got, accepted, drafted = runner.state, [], 0, 0
+    slots = np.array([slot], np.int32)
+    while len(got) < n:
+        left = prompt_len - st.num_computed_tokens_np[slot]
+        decode = left <= 0
+        with no_host_sync():
+            out = runner.step(SchedulerOutput(slots, np.array([K + 1 if decode else left]),
+                                              np.array([K if decode else 0])))
+        row = out.emitted_host.wait()[0]
+        got += row[row >= 0].tolist()
+        if decode:
+            accepted, drafted = accepted + (row >= 0).sum() - 1, drafted + K
+        runner.apply_feedback(out)
+    return got[:n], accepted, drafted
+
+
+def test_sampled_rows_with_an_exact_draft_accept_every_draft():
+    """Rejection sampling with the draft's probabilities: with q = p every draft is kept,
+    and a seeded request samples the same tokens replayed and eager."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    runs = []
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.NONE):
+        st, runner = make("target", mode=mode, sampling=True)
+        runs.append(serve(runner, PROMPTS, 24, sampling=params))
+    (got, accepted, drafted), (eager, _, _) = runs
+    assert accepted == drafted > 0 and got == eager
+    assert len(set(got[0])) > 5  # it does sample
+
+
+def test_refused_when_wrapped():
+    with pytest.raises(ValueError, match="decode_query_len > 1"):
+        make("target", q=1)
+    model = TinyDecoder(TinyConfig(vocab_size=32, hidden_size=32)).double()
+    st = RequestState(2, 96, 8, "cpu")
+    target = target_model("cpu")
+    target.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+    model.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+    config = RunnerConfig(policy=BucketPolicy(capture_sizes=(1,), decode_query_len=2))
+    with pytest.raises(ValueError, match="draft model's vocab_size = 32, expected the "
+                                         "target's 64"):
+        GraphRunner(target, st, config, proposer=DraftModelProposer(model))
+    small = small_draft("cpu")
+    small.allocate_caches(4, 8)
+    with pytest.raises(ValueError, match=r"caches\[0\]: 5 blocks"):
+        GraphRunner(target, st, config, proposer=DraftModelProposer(small))
+    with pytest.raises(ValueError, match="allocate_caches"):
+        GraphRunner(target, st, config, proposer=DraftModelProposer(small_draft("cpu")))
