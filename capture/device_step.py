@@ -107,6 +107,11 @@ class DeviceStep:
                 raise ValueError("a StepDrafter proposer needs the runner's BuilderContext")
             self.drafter.bind(state, context, sampler)
             _check_vocab(self.drafter, vocab_size)
+            if self.drafter.reads_hidden_states:
+                if not hasattr(forward, "keep_hidden_states"):
+                    raise ValueError(f"the draft head reads the target's hidden states, but "
+                                     f"{type(forward).__name__} has no keep_hidden_states")
+                forward.keep_hidden_states = True
         if proposer is not None and decode_query_len > 1:  # refused now, not at a step
             one = torch.zeros(1, dtype=torch.int32, device=dev)
             _check_proposed(proposer, proposer.propose(self.token_ids, one, one,
@@ -208,7 +213,9 @@ class DeviceStep:
             self.advanced = True  # from here on the step counts (the mirror keeps it)
         st.advance_device(slots, scheduled, rejected if spec else None)
         if self.drafter is not None:
-            self.drafter.observe(draft, ids, batch, sampled, seq, done)
+            hidden = (self.forward.last_hidden_states if self.drafter.reads_hidden_states
+                      else None)
+            self.drafter.observe(draft, ids, batch, sampled, seq, done, hidden)
         return logits, sampled, logprobs, rejected, emitted
 
     def _offsets(self, batch: InputBatch, t: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,13 @@ import torch
 
 from graphattn.backends.registry import BuilderContext, get_backend
 from graphattn.batch import InputBatch
-from graphattn.capture.model_contract import check_backend, check_caches, check_slots, vocab_size_of
+from graphattn.capture.model_contract import (
+    check_backend,
+    check_caches,
+    check_slots,
+    model_dtype,
+    vocab_size_of,
+)
 from graphattn.config import INPUT_NAMES
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -120,11 +126,23 @@ class DraftModelProposer:
         self.vocab_size = vocab_size_of(self.model)
         dev, n = state.device, state.max_num_reqs + 1
         self.drafts = torch.zeros(n, self.k, dtype=torch.int64, device=dev)
+        self.hidden = None
+        if self.reads_hidden_states:
+            size = getattr(self.model, "hidden_size", None)
+            if not isinstance(size, int):
+                raise ValueError(f"the draft head {type(self.model).__name__} reads "
+                                 "hidden_states but has no int hidden_size")
+            self.hidden = torch.zeros(n, size, dtype=model_dtype(self.model), device=dev)
         if sampler is not None:
             if self.vocab_size is None:
                 raise ValueError(f"a sampling runner needs the draft model's vocab_size "
                                  f"({type(self.model).__name__} has no cfg or config with one)")
             self.draft_probs = torch.zeros(n, self.k, self.vocab_size, device=dev)
+
+    @property
+    def reads_hidden_states(self) -> bool:
+        """An EAGLE-style head: it reads the target's hidden states ("hidden_states")."""
+        return "hidden_states" in getattr(self.model, "static_input_names", ())
 
     def propose(self, token_ids: torch.Tensor, req_slots: torch.Tensor,
                 last_positions: torch.Tensor, num_drafts: int) -> torch.Tensor:
@@ -166,17 +184,24 @@ class DraftModelProposer:
         return buf
 
     def observe(self, plan: DraftPlan | None, input_ids: torch.Tensor, batch: InputBatch,
-                sampled: torch.Tensor, new_lens: torch.Tensor, done: torch.Tensor) -> None:
-        """Follow the step's tokens, then draft k tokens per row (capturable)."""
+                sampled: torch.Tensor, new_lens: torch.Tensor, done: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None:
+        """Follow the step's tokens, then draft k tokens per row (capturable). `hidden`:
+        the target's hidden states [T, hidden] (heads that read them)."""
         if plan is None:
             return
-        r = plan.rows
+        r, st, buf = plan.rows, self.state, plan.buffers
         qsl = batch.query_start_loc.long()
-        self._forward({"input_ids": input_ids, "positions": batch.positions,
-                       "req_slots": batch.req_slots,
-                       "logits_indices": (qsl[1 : r + 1] - 1).clamp(min=0)}, plan.follow)
-        st, buf = self.state, plan.buffers
         slots = batch.req_slots[:r]
+        inputs = {"input_ids": input_ids, "positions": batch.positions,
+                  "req_slots": batch.req_slots, "logits_indices": (qsl[1 : r + 1] - 1).clamp(min=0)}
+        if self.hidden is not None:
+            inputs["hidden_states"] = self._previous_hidden(batch, hidden)
+            # the target's state at each row's last verified token, for its next step
+            at = (qsl[1 : r + 1] - 1 - (batch.seq_lens[:r] - new_lens[:r])).clamp(min=0)
+            last = hidden[at]
+            self.hidden[torch.where(batch.num_scheduled[:r] > 0, slots, st.max_num_reqs)] = last
+        self._forward(inputs, plan.follow)
         base, live = new_lens[:r].long(), done[:r]
         target = torch.where(live, slots, st.max_num_reqs)  # rows drafting nothing: spare
         token = sampled[:r]
@@ -189,11 +214,24 @@ class DraftModelProposer:
             buf.seq_lens.copy_(pos + 1)
             buf.slot_mapping.copy_(torch.where(ok, block.long() * st.block_size
                                                + pos % st.block_size, -1))
-            logits = self._forward({"input_ids": token, "positions": buf.positions,
-                                    "req_slots": slots, "logits_indices": buf.logits_indices},
-                                   plan.passes)
+            inputs = {"input_ids": token, "positions": buf.positions, "req_slots": slots,
+                      "logits_indices": buf.logits_indices}
+            if self.hidden is not None:
+                inputs["hidden_states"] = last if i == 0 else self.model.last_hidden_states
+            logits = self._forward(inputs, plan.passes)
             token = self._pick(logits, slots, pos + 1, target, i)
             self.drafts[target, i] = token
+
+    def _previous_hidden(self, batch: InputBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's state one position behind each token: the step's own for all but a
+        row's first token, which takes the row's kept state (zeros at position 0)."""
+        t = hidden.shape[0]
+        shifted = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
+        first = torch.arange(t, device=hidden.device) == batch.query_start_loc.long()[
+            batch.req_indices]
+        kept = torch.where((batch.positions > 0)[:, None],
+                           self.hidden[batch.token_slots].to(hidden.dtype), 0)
+        return torch.where(first[:, None], kept, shifted)
 
     def _forward(self, inputs: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
         logits = self.model({n: inputs[n] for n in self.names}, meta)

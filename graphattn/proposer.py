@@ -65,9 +65,13 @@ class StepDrafter(DraftProposer, Protocol):
     draft_probs : torch.Tensor or None
         float32 [max_num_reqs + 1, k, vocab]: the distribution each draft was drawn from
         (None: drafts are point masses), for rejection sampling of sampled rows.
+    reads_hidden_states : bool
+        The drafter reads the target's hidden states (an EAGLE-style head): the runner
+        sets the target's ``keep_hidden_states`` and passes them to `observe`.
     """
 
     draft_probs: torch.Tensor | None
+    reads_hidden_states: bool
 
     def bind(self, state: RequestState, context: BuilderContext,
              sampler: SamplingTable | None) -> None:
@@ -80,7 +84,8 @@ class StepDrafter(DraftProposer, Protocol):
         ...
 
     def observe(self, plan: Any, input_ids: torch.Tensor, batch: InputBatch,
-                sampled: torch.Tensor, new_lens: torch.Tensor, done: torch.Tensor) -> None:
+                sampled: torch.Tensor, new_lens: torch.Tensor, done: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None:
         """Device work after sampling (capturable): follow the step's tokens and draft.
 
         Parameters
@@ -92,6 +97,8 @@ class StepDrafter(DraftProposer, Protocol):
         new_lens : int64 [rows], each row's true length after the step (the new token's
             position)
         done : bool [rows], rows whose new token is real (prompt complete, not padding)
+        hidden : [num_tokens_padded, hidden] or None, the target's hidden states (for
+            drafters with ``reads_hidden_states``)
         """
         ...
 

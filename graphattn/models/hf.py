@@ -196,6 +196,10 @@ class HFCausalLM:
     static_input_names : tuple of str
         What the runner passes; with "logits_indices" (models whose forward takes
         ``logits_to_keep``) the LM head runs only at the rows that are sampled.
+    keep_hidden_states : bool
+        Set by a runner whose draft head reads the target's hidden states: each call then
+        asks the model for ``output_hidden_states`` and leaves the last entry (the final
+        norm's output, [T, hidden]) in ``last_hidden_states``.
     """
 
     backends = ("paged",)
@@ -217,6 +221,8 @@ class HFCausalLM:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.caches: list[Any] = []
+        self.keep_hidden_states = False
+        self.last_hidden_states: torch.Tensor | None = None
         self._impls: dict[tuple, PagedAttentionImpl] = {}
         layout = mla_layout(model)
         self.latent = None if layout is None else LatentAttention(model, layout)
@@ -273,9 +279,13 @@ class HFCausalLM:
             # function, so transformers builds none)
             keep = {} if "logits_indices" not in inputs else {
                 "logits_to_keep": inputs["logits_indices"]}
+            if self.keep_hidden_states:
+                keep["output_hidden_states"] = True
             out = self.model(input_ids=inputs["input_ids"][None],
                              position_ids=inputs["positions"][None], use_cache=False,
                              graphattn_runner=self, graphattn_metadata=attn_metadata, **keep)
+            if self.keep_hidden_states:
+                self.last_hidden_states = out.hidden_states[-1][0]
             return out.logits[0]
         finally:
             if self.latent is not None:

@@ -131,6 +131,10 @@ class TinyDecoder(nn.Module):
         self.impl = impl or PagedAttentionImpl(c.local_heads, c.head_dim, c.local_kv_heads)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.inv_freq: torch.Tensor | None = None  # float32 (not a buffer: .to(dtype) skips it)
+        # with keep_hidden_states, each forward leaves its last layer's output [T, hidden]
+        # (before the final norm) in last_hidden_states, for an EAGLE-style draft head
+        self.keep_hidden_states = False
+        self.last_hidden_states: torch.Tensor | None = None
 
     @torch.no_grad()
     def load_shard(self, full: TinyDecoder, rank: int) -> TinyDecoder:
@@ -176,6 +180,8 @@ class TinyDecoder(nn.Module):
         rot = None if hasattr(self.impl, "forward_qkv") else cos_sin(pos, self.inv_freq)
         for layer, cache in zip(self.layers, self.caches, strict=True):
             x = layer(x, pos, self.inv_freq, rot, attn_metadata, self.impl, cache)
+        if self.keep_hidden_states:
+            self.last_hidden_states = x
         if "logits_indices" in inputs:  # the LM head only where logits are used
             x = x[inputs["logits_indices"]]
         return self.lm_head(self.norm(x))

@@ -14,11 +14,13 @@ from graphattn import (
     CUDAGraphMode,
     DraftModelProposer,
     GraphRunner,
+    NgramProposer,
     RunnerConfig,
     SamplingParams,
     SchedulerOutput,
 )
 from graphattn.buckets import BucketPolicy
+from graphattn.models.eagle import EagleHead
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
 from graphattn.sync import no_host_sync
@@ -31,26 +33,29 @@ def dtype_of(device):  # float64 on CPU; float32 on CUDA (the Triton kernel's fp
     return torch.float64 if device == "cpu" else torch.float32
 
 
-def target_model(device):
+def target_model(device, layers=2):
     torch.manual_seed(0)
-    return TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).to(device, dtype_of(device))
+    return TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=layers)).to(
+        device, dtype_of(device))
 
 
-def small_draft(device):
+def small_draft(target, device):
     torch.manual_seed(1)
     return TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1)).to(
         device, dtype_of(device))
 
 
 def make(draft=None, q=K + 1, device="cpu", mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-         compile=False, sampling=False):
-    model = target_model(device)
+         compile=False, sampling=False, layers=2):
+    """Target, state and runner; `draft`: "target" (a copy of the target), or a function of
+    (target, device) returning the draft model."""
+    model = target_model(device, layers)
     st = RequestState(2, 96, 8, device)
     blocks = 2 * st.max_num_blocks_per_req
     model.allocate_caches(blocks, 8)
     proposer = None
     if draft is not None:
-        drafter = copy.deepcopy(model) if draft == "target" else draft(device)
+        drafter = copy.deepcopy(model) if draft == "target" else draft(model, device)
         drafter.allocate_caches(blocks, 8)
         proposer = DraftModelProposer(drafter)
     policy = BucketPolicy(capture_sizes=(1, 2), length_boundaries=(32, 64),
@@ -90,8 +95,8 @@ def serve(runner, prompts, n, chunk=4, between=None, sampling=None):
     return [g[:n] for g in got], accepted, drafted
 
 
-def plain_greedy(prompts, n, device="cpu"):
-    st, runner = make(q=1, device=device)
+def plain_greedy(prompts, n, device="cpu", layers=2):
+    st, runner = make(q=1, device=device, layers=layers)
     slots = np.array([runner.add_request(f"r{i}", p) for i, p in enumerate(prompts)], np.int32)
     got = [[] for _ in prompts]
     for j, (s, p) in enumerate(zip(slots, prompts, strict=True)):
@@ -233,9 +238,104 @@ def test_refused_when_wrapped():
     with pytest.raises(ValueError, match="draft model's vocab_size = 32, expected the "
                                          "target's 64"):
         GraphRunner(target, st, config, proposer=DraftModelProposer(model))
-    small = small_draft("cpu")
+    small = small_draft(target, "cpu")
     small.allocate_caches(4, 8)
     with pytest.raises(ValueError, match=r"caches\[0\]: 5 blocks"):
         GraphRunner(target, st, config, proposer=DraftModelProposer(small))
     with pytest.raises(ValueError, match="allocate_caches"):
-        GraphRunner(target, st, config, proposer=DraftModelProposer(small_draft("cpu")))
+        GraphRunner(target, st, config, proposer=DraftModelProposer(small_draft(target, "cpu")))
+    head = EagleHead.for_target(target)
+    head.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+    with pytest.raises(ValueError, match="has no keep_hidden_states"):
+        GraphRunner(lambda inputs, meta: None, st, config, proposer=DraftModelProposer(head))
+
+
+def exact_eagle(target, device):
+    """For a 1-layer target: a head that ignores the hidden state (fc = [I | 0]) and runs
+    the target's own layer drafts exactly the target's tokens."""
+    head = EagleHead.for_target(target)
+    h = target.cfg.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], 1))
+    head.layer = target.layers[0]
+    return head
+
+
+def hidden_only_eagle(target, device):
+    """A head whose output is its hidden input (fc = [0 | I], the layer adding nothing): its
+    drafts are the target's own prediction at the position before, i.e. the bonus token."""
+    head = EagleHead.for_target(target)
+    h = target.cfg.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.zeros(h, h), torch.eye(h)], 1))
+        head.layer.o.weight.zero_()
+        head.layer.down.weight.zero_()
+    return head
+
+
+def random_eagle(target, device):
+    torch.manual_seed(2)
+    return EagleHead.for_target(target)
+
+
+@pytest.mark.parametrize(("mode", "compile", "device"), [
+    (CUDAGraphMode.FULL_AND_PIECEWISE, False, "cpu"),
+    (CUDAGraphMode.PIECEWISE, False, "cpu"),
+    (CUDAGraphMode.FULL_AND_PIECEWISE, True, "cpu"),
+    pytest.param(CUDAGraphMode.FULL_AND_PIECEWISE, False, "cuda", marks=pytest.mark.cuda)],
+    ids=["full", "piecewise", "compiled", "cuda-full"])
+def test_eagle_head_drafts_from_the_targets_hidden_states(mode, compile, device):
+    """An exact head accepts every draft; a random one keeps the greedy tokens; a head that
+    echoes its hidden input drafts the bonus token k times (the hidden state handed over
+    is the one at the row's last verified position)."""
+    want = plain_greedy(PROMPTS, 24, device, layers=1)
+    st, runner = make(exact_eagle, device=device, mode=mode, compile=compile, layers=1)
+    got, accepted, drafted = serve(runner, PROMPTS, 24, between=poison_past_truth)
+    assert got == want and accepted == drafted > 0
+    st, runner = make(random_eagle, device=device, mode=mode, compile=compile, layers=1)
+    got, accepted, drafted = serve(runner, PROMPTS, 24)
+    assert got == want and accepted < drafted
+    st, runner = make(hidden_only_eagle, device=device, mode=mode, compile=compile, layers=1)
+    slots = []
+
+    def check(r):
+        rows = np.flatnonzero(st.num_computed_tokens_np[:2] >= st.num_prompt_tokens_np[:2])
+        sampled = r.token_ids[rows, st.num_computed_tokens_np[rows]]
+        drafts = r.device_step.proposer.drafts[rows]
+        assert torch.equal(drafts, sampled[:, None].expand(-1, K))
+        slots.extend(rows)
+
+    serve(runner, PROMPTS, 8, between=check)
+    assert slots
+
+
+def test_eagle_head_on_a_wrapped_transformers_model_keeps_its_tokens():
+    """HFCausalLM exposes transformers' last hidden states (``keep_hidden_states``): a
+    random EAGLE head drafts from them inside the step; tokens stay those of the same model
+    verifying n-gram drafts (greedy's)."""
+    transformers = pytest.importorskip("transformers")
+    from graphattn.models.hf import HFCausalLM
+
+    def runner_of(with_head):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128)
+        hf = HFCausalLM(transformers.LlamaForCausalLM(cfg).double().eval())
+        st = RequestState(2, 96, 8, "cpu")
+        hf.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+        proposer = NgramProposer(n=2, window=32)
+        if with_head:
+            torch.manual_seed(3)
+            head = EagleHead.for_target(hf)
+            head.allocate_caches(2 * st.max_num_blocks_per_req, 8)
+            proposer = DraftModelProposer(head)
+        policy = BucketPolicy(capture_sizes=(1, 2), length_boundaries=(64,),
+                              mixed_token_sizes=(16,), decode_query_len=K + 1)
+        runner = GraphRunner(hf, st, RunnerConfig(policy=policy), proposer=proposer)
+        runner.capture(progress=False)
+        return runner
+
+    plain, _, _ = serve(runner_of(False), PROMPTS, 16)
+    got, accepted, drafted = serve(runner_of(True), PROMPTS, 16)
+    assert got == plain and 0 <= accepted < drafted
