@@ -57,6 +57,9 @@ class CaptureReport:
         Wall time of each key's capture (its warm-up runs included), in `keys` order.
     key_pool_bytes : list[int]
         The pool's size after each key's capture (0 off CUDA).
+    over_budget : list[GraphKey]
+        Keys not captured because the pool had reached the manager's memory limit (they
+        run eagerly at their padded shapes).
     """
 
     num_graphs: int = 0
@@ -68,9 +71,12 @@ class CaptureReport:
     keys: list[GraphKey] = field(default_factory=list)
     key_seconds: list[float] = field(default_factory=list)
     key_pool_bytes: list[int] = field(default_factory=list)
+    over_budget: list[GraphKey] = field(default_factory=list)
 
     def __str__(self) -> str:
         skipped = f", {self.num_skipped} already captured" if self.num_skipped else ""
+        if self.over_budget:
+            skipped += f", {len(self.over_budget)} over the memory limit (eager)"
         if self.num_piecewise:
             skipped += f", pieces at {self.num_piecewise} token counts"
         if self.device != "cuda":
@@ -151,6 +157,8 @@ class CUDAGraphManager:
     on_launch : callable, optional
         ``on_launch()`` runs right before a captured graph is launched (the caller's mark
         that the graph's work may have been enqueued).
+    memory_limit : int, optional
+        Pool bytes (`pool_bytes`) at which capture stops taking new keys.
     """
 
     def __init__(
@@ -162,6 +170,7 @@ class CUDAGraphManager:
         warmup_iters: int = 1,
         recording: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         on_launch: Callable[[], None] | None = None,
+        memory_limit: int | None = None,
     ) -> None:
         if on_missing not in ("error", "eager"):
             raise ValueError(f"on_missing = {on_missing!r}, expected 'error' or 'eager'")
@@ -174,6 +183,9 @@ class CUDAGraphManager:
         self.warmup_iters = warmup_iters
         self.recording = recording or contextlib.nullcontext
         self.on_launch = on_launch
+        self.memory_limit = memory_limit
+        self.over_budget: set[GraphKey] = set()
+        self._reserved0: int | None = None
         self.use_graphs = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._captured: dict[GraphKey, _Captured] = {}
@@ -220,39 +232,45 @@ class CUDAGraphManager:
         report = CaptureReport(num_skipped=len(order) - len(todo), device=self.device.type,
                                keys=todo)
         t0 = time.perf_counter()
-        reserved0 = 0
         if self.use_graphs:
             # torch.cuda.graph() empties the allocator cache; do it first so the
             # difference below is the pool and static buffers alone
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-            reserved0 = torch.cuda.memory_reserved(self.device)
+            if self._reserved0 is None:
+                self._reserved0 = torch.cuda.memory_reserved(self.device)
         verb = "capture" if self.use_graphs else f"eager on {self.device.type}"
         with _frozen_gc(), tqdm(todo, desc=f"graphattn {verb}", unit="key",
                                 disable=not progress or not todo, leave=False) as bar:
             for key in bar:
+                if self.memory_limit is not None and self.pool_bytes() >= self.memory_limit:
+                    self.over_budget.add(key)
+                    report.over_budget.append(key)
+                    continue
                 t = time.perf_counter()
                 inputs = {k: v.clone() for k, v in make_inputs(key).items()}
                 self._captured[key] = self._capture_one(key, inputs)
                 report.key_seconds.append(time.perf_counter() - t)
-                report.key_pool_bytes.append(self._pool_bytes(reserved0) if self.use_graphs
-                                             else 0)
+                report.key_pool_bytes.append(self.pool_bytes())
                 report.num_graphs += 1
-        if self.use_graphs:
-            torch.cuda.synchronize(self.device)
-            report.pool_bytes = self._pool_bytes(reserved0)
+        report.keys = [k for k in todo if k in self._captured]
+        report.pool_bytes = self.pool_bytes()
         report.seconds = time.perf_counter() - t0
         if progress if summary is None else summary:
             logger.info("%s", report)
         return report
 
-    def _pool_bytes(self, reserved0: int) -> int:
-        """Bytes of the allocator segments that belong to the shared graph pool."""
+    def pool_bytes(self) -> int:
+        """Bytes of the allocator segments that belong to the shared graph pool (0 off
+        CUDA; synchronizes the device)."""
+        if not self.use_graphs or self._reserved0 is None:
+            return 0
+        torch.cuda.synchronize(self.device)
         segments = torch.cuda.memory_snapshot()
         if segments and "segment_pool_id" in segments[0]:
             pool = tuple(self.pool)
             return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
-        return max(torch.cuda.memory_reserved(self.device) - reserved0, 0)
+        return max(torch.cuda.memory_reserved(self.device) - self._reserved0, 0)
 
     def _capture_one(self, key: GraphKey, inputs: dict[str, torch.Tensor]) -> _Captured:
         if not self.use_graphs:  # the last warm-up run stands for the recorded one

@@ -53,6 +53,7 @@ from graphattn.spec_decode import (
     check_drafts,
 )
 from graphattn.state import RequestState, SchedulerOutput
+from graphattn.sync import host_sync_allowed
 from graphattn.transfer import (
     CurrentStream,
     StagingRing,
@@ -138,7 +139,8 @@ class GraphRunner:
         self.graphs = CUDAGraphManager(
             self._graph_forward, state.device, on_missing=config.on_missing,
             warmup_iters=warmup, recording=self._steady_state if compiled else None,
-            on_launch=self._launching)
+            on_launch=self._launching, memory_limit=config.graph_memory_limit)
+        self.lazy_report = CaptureReport(device=state.device.type)
         self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
             self.dispatcher.piecewise_token_sizes) else None
         self.vocab_size = config.vocab_size or vocab_size_of(forward)
@@ -280,15 +282,11 @@ class GraphRunner:
         """
 
         check_caches(self.forward, self.state)  # the model may have changed since
-
-        def make_inputs(key: GraphKey) -> dict[str, torch.Tensor]:
-            return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
-
         full = [k for k in (self.dispatcher.all_keys() if keys is None else keys)
                 if not self.dispatcher.is_piecewise(k)]
         t0 = time.perf_counter()
         with self.profiler.range("capture"):
-            report = self.graphs.capture(full, make_inputs, progress=progress,
+            report = self.graphs.capture(full, self._capture_inputs, progress=progress,
                                          summary=progress and self.piecewise is None)
             if self.piecewise is not None:
                 for key in self.dispatcher.piecewise_keys():  # largest first, shared pool
@@ -300,12 +298,33 @@ class GraphRunner:
                 report.seconds = time.perf_counter() - t0
                 if progress:
                     logger.info("%s", report)
-        if keys is None:
+        if keys is None and not self.config.lazy_capture:  # lazy: later keys may compile
             for c in self.device_step.compilers():
                 c.freeze()
             if self.piecewise is not None:
                 self.piecewise.freeze()
         return report
+
+    def _capture_inputs(self, key: GraphKey) -> dict[str, torch.Tensor]:
+        return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
+
+    def _capture_lazily(self, key: GraphKey) -> None:
+        """Capture `key` after the step that first needed it ran eagerly (between steps:
+        the capture's host syncs are allowed inside no_host_sync(); logged)."""
+        with host_sync_allowed(), torch.inference_mode(), self.profiler.range("capture"):
+            report = self.graphs.capture([key], self._capture_inputs, summary=False)
+        lazy = self.lazy_report
+        lazy.num_graphs += report.num_graphs
+        lazy.seconds += report.seconds
+        lazy.pool_bytes = report.pool_bytes
+        for name in ("keys", "key_seconds", "key_pool_bytes", "over_budget"):
+            getattr(lazy, name).extend(getattr(report, name))
+        if report.num_graphs:
+            logger.info("captured %s lazily in %.2f s (pool %.1f MiB)", key, report.seconds,
+                        report.pool_bytes / 2**20)
+        else:
+            logger.info("%s runs eagerly: the graph pool has reached graph_memory_limit = %d "
+                        "bytes", key, self.config.graph_memory_limit)
 
     @torch.inference_mode()
     def dummy_run(self, key: GraphKey) -> None:
@@ -372,6 +391,10 @@ class GraphRunner:
             outs, mode, current = self._no_outputs(), CUDAGraphMode.NONE, None
         else:
             outs, mode, current = self._launch(sched, shape, key, plan)
+            if (self.config.lazy_capture and mode is CUDAGraphMode.NONE and key is not None
+                    and not self.dispatcher.is_piecewise(key)
+                    and key not in self.graphs.over_budget):
+                self._capture_lazily(key)
         with prof.range("postprocess"):
             out = self._outputs.of_step(st, sched, outs, key, mode, current,
                                         self.sampler is not None)

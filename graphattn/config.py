@@ -125,6 +125,15 @@ class RunnerConfig:
     vocab_size : int, optional
         Prompt and draft ids are checked against it (default: the model's
         ``cfg.vocab_size`` / ``config.vocab_size``).
+    lazy_capture : bool
+        Capture a full key the first time a step needs it instead of all at `capture()`:
+        that step runs eagerly at the key's padded shapes, then the key is captured before
+        step() returns (one host sync, between steps; logged, and kept in
+        ``GraphRunner.lazy_report``). Needs on_missing="eager".
+    graph_memory_limit : int, optional
+        Bytes of graph pool after which no new key is captured (by `capture()` or lazily):
+        those keys run eagerly at their padded shapes and are listed in the report's
+        ``over_budget``. Default: no limit.
     """
 
     backend: str | None = None
@@ -136,6 +145,8 @@ class RunnerConfig:
     on_missing: str = "eager"
     static_input_names: tuple[str, ...] | None = None
     vocab_size: int | None = None
+    lazy_capture: bool = False
+    graph_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend is not None and not isinstance(self.backend, str):
@@ -168,3 +179,9 @@ class RunnerConfig:
             object.__setattr__(self, "static_input_names", tuple(names))
         if self.vocab_size is not None:
             as_index("RunnerConfig.vocab_size", self.vocab_size, 1)
+        _check_bool("RunnerConfig.lazy_capture", self.lazy_capture)
+        if self.lazy_capture and self.on_missing != "eager":
+            raise ValueError("RunnerConfig.lazy_capture needs on_missing = 'eager' (the step "
+                             f"that meets a new key runs eagerly), got {self.on_missing!r}")
+        if self.graph_memory_limit is not None:
+            as_index("RunnerConfig.graph_memory_limit", self.graph_memory_limit, 0)

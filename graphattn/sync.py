@@ -21,6 +21,7 @@ __all__ = [
     "HostSyncError",
     "SyncCounter",
     "count_host_syncs",
+    "host_sync_allowed",
     "no_host_sync",
     "note_host_read",
     "opaque_region",
@@ -188,4 +189,15 @@ def opaque_region() -> Iterator[None]:
         yield
         return
     with _pop_mode_temporarily():
+        yield
+
+
+@contextlib.contextmanager
+def host_sync_allowed() -> Iterator[None]:
+    """Lift `no_host_sync()` (and `count_host_syncs()`) for a block that synchronizes on
+    purpose, outside any step's device work: a lazy capture between steps."""
+    stack = _get_current_dispatch_mode_stack()
+    lifted = (_pop_mode_temporarily() if stack and isinstance(stack[-1], _SyncMode)
+              else contextlib.nullcontext())
+    with _cuda_sync_debug("default"), lifted:
         yield
