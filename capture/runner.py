@@ -7,6 +7,7 @@ a graph step leaves the host with one packed H2D copy and one graph launch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -18,10 +19,11 @@ import torch
 from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
 from graphattn.backends.registry import resolve_builder
 from graphattn.batch import BatchPlan, plan_batch
-from graphattn.buckets import PaddingStats
+from graphattn.buckets import BucketPolicy, PaddingStats
 from graphattn.capture.data_parallel import dispatch_across_ranks
 from graphattn.capture.device_step import DeviceStep, ModelForward, StepTensors
 from graphattn.capture.dispatcher import GraphDispatcher
+from graphattn.capture.graph_memory import GraphMemoryEstimate, fit_capture_sizes, measure_keys
 from graphattn.capture.graphs import (
     CaptureReport,
     CUDAGraphManager,
@@ -42,6 +44,7 @@ from graphattn.capture.ownership import Ownership
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.capture.step_output import OutputRings, StepOutput
+from graphattn.checks import as_index
 from graphattn.config import RunnerConfig
 from graphattn.keys import BatchShape, CUDAGraphMode, GraphKey
 from graphattn.proposer import DraftProposer
@@ -126,6 +129,7 @@ class GraphRunner:
         self.backend = config.backend or next(iter(getattr(forward, "backends", ())), "paged")
         spec = get_backend(self.backend)
         check_backend(forward, self.backend, spec.impl_cls)
+        self._given_dispatcher = dispatcher is not None
         self.dispatcher = d = GraphDispatcher.for_runner(
             config, state.max_model_len, state.max_num_reqs, spec.capture_support, dispatcher)
         context = BuilderContext(state.block_size, d.decode_query_len, state.max_model_len,
@@ -304,6 +308,42 @@ class GraphRunner:
             if self.piecewise is not None:
                 self.piecewise.freeze()
         return report
+
+    @torch.inference_mode()
+    def estimate_graph_memory(self, keys: Sequence[GraphKey] | None = None,
+                              ) -> GraphMemoryEstimate:
+        """Graph-pool bytes that capturing `keys` (default: the config's full keys) will
+        take, before any capture, from one eager step per key at its padded shapes
+        (`graphattn.capture.graph_memory`); ``.total_bytes`` is the estimate. Off CUDA:
+        output bytes only (no allocator statistics, and no graph pool)."""
+        full = [k for k in (self.dispatcher.all_keys() if keys is None else keys)
+                if not self.dispatcher.is_piecewise(k)]
+        return measure_keys(full, lambda k: self._graph_forward(self._capture_inputs(k), k),
+                            self.state.device)
+
+    def fit_capture_sizes(self, budget_bytes: int) -> BucketPolicy:
+        """Drop the largest capture and mixed token sizes until the estimated pool fits
+        `budget_bytes`; the runner takes the new policy (call before `capture()`).
+
+        Returns
+        -------
+        BucketPolicy
+            The policy now in ``self.config.policy``.
+        """
+        as_index("budget_bytes", budget_bytes, 0)
+        if self.graphs.keys:
+            raise ValueError(f"fit_capture_sizes comes before capture(): "
+                             f"{len(self.graphs.keys)} keys are captured already")
+        if self._given_dispatcher:
+            raise ValueError("fit_capture_sizes changes the config's policy, but this runner "
+                             "was given a dispatcher")
+        policy = fit_capture_sizes(self.config.policy, self.estimate_graph_memory(),
+                                   budget_bytes)
+        self.config = dataclasses.replace(self.config, policy=policy)
+        self.dispatcher = GraphDispatcher.for_runner(
+            self.config, self.state.max_model_len, self.state.max_num_reqs,
+            self.dispatcher.capture_support)
+        return policy
 
     def _capture_inputs(self, key: GraphKey) -> dict[str, torch.Tensor]:
         return {"packed": to_device(self._dummy_plan(key).packed, self.state.device)}
