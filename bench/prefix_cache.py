@@ -1,11 +1,14 @@
 """Shared prefixes: N requests after one system prompt of P tokens, each with its own suffix,
-served with prefix caching off (every prompt prefilled whole) and on (`BlockManager`: a hit
-shares the cached blocks and prefills only its suffix).
+served with prefix caching off (every prompt prefilled whole), on (`BlockManager`: a hit
+shares the cached blocks and prefills only its suffix), and on with shared-prefix attention
+(`BucketPolicy.shared_prefix_sizes`: decode steps read the shared blocks once per KV head
+for the whole group, `graphattn.cascade`).
 
 The first request runs alone until its first token (a miss either way); the other N - 1
-then arrive together. Each row: time to first token of the first request and the median of
-the others (host clock, admission to the token on the host), prompt tokens prefilled,
-tokens/s over the whole run, and whether the tokens equal the off row's (greedy).
+then arrive together. Each row: time to first token of the first request and of the others
+(host clock, admission to the token on the host), prompt tokens prefilled, tokens/s over
+the whole run, decode µs per step (all N rows, replayed graphs), the decode keys' shared
+prefix, and whether the tokens equal the off row's (greedy).
 
     python -m bench.prefix_cache [--model tiny] [--prefix 1024] [--requests 16] [--out DIR]
 """
@@ -29,13 +32,16 @@ from graphattn.models.tiny import TinyDecoder
 BLOCK = 16
 
 
-def _runner(model: TinyDecoder, device: str, max_reqs: int, max_len: int) -> GraphRunner:
+def _runner(model: TinyDecoder, device: str, max_reqs: int, max_len: int,
+            prefix: int) -> GraphRunner:
+    """A runner for `max_reqs` requests; `prefix` > 0: shared-prefix keys of that length."""
     st = RequestState(max_reqs, max_len, BLOCK, device)
     model.allocate_caches(st.num_kv_blocks, BLOCK)
     bounds = tuple(b for b in (512, 2048, 8192) if b < max_len) + (max_len,)
+    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s < max_reqs) + (max_reqs,)
     runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
-        capture_sizes=tuple(s for s in (1, 2, 4, 8, 16, 32) if s <= max_reqs),
-        length_boundaries=bounds, mixed_token_sizes=(256, 512))))
+        capture_sizes=sizes, length_boundaries=bounds, mixed_token_sizes=(256, 512),
+        shared_prefix_sizes=(prefix // BLOCK * BLOCK,) if prefix else ())))
     runner.capture(progress=False)
     return runner
 
@@ -66,10 +72,12 @@ def serve(runner: GraphRunner, prompts: list[np.ndarray], new: int, cache: bool)
         if cache:
             manager.cache("r0", prompts[0])
     slots = st.slots_of([f"r{i}" for i in range(len(prompts))])
+    t_dec = time.perf_counter()
     for _ in range(new - 1):
         out = runner.step(SchedulerOutput(slots, np.ones(slots.size, np.int32)))
     out.sampled_host.wait()
     wall = time.perf_counter() - t0
+    decode_us = 1e6 * (time.perf_counter() - t_dec) / max(new - 1, 1)
     ends = st.num_computed_tokens_np[slots] + 1
     tokens = [runner.token_ids[s, len(p):e].tolist() for s, p, e in zip(slots, prompts, ends,
                                                                          strict=True)]
@@ -77,7 +85,8 @@ def serve(runner: GraphRunner, prompts: list[np.ndarray], new: int, cache: bool)
         st.remove_request(f"r{i}")
     return {"prefix_caching": cache, "ttft_first_s": ttft[0], "ttft_hits_s": ttft[1],
             "prefill_tokens": prefilled, "tokens_per_s": len(prompts) * new / wall,
-            "tokens": tokens}
+            "decode_us_per_step": decode_us, "shared_prefix": out.key.shared_prefix
+            if out.key else 0, "replayed": out.replayed, "tokens": tokens}
 
 
 def main() -> None:
@@ -102,8 +111,12 @@ def main() -> None:
     prompts = [np.concatenate([system, rng.integers(0, vocab, int(rng.integers(64, 513)))])
                for _ in range(args.requests)]
     max_len = -(-(args.prefix + 512 + args.new + 1) // 512) * 512
-    runner = _runner(model, args.device, args.requests, max_len)
+    runner = _runner(model, args.device, args.requests, max_len, 0)
     rows = [serve(runner, prompts, args.new, cache) for cache in (False, True)]
+    del runner
+    cascade = _runner(model, args.device, args.requests, max_len, args.prefix)
+    rows.append(serve(cascade, prompts, args.new, True))
+    rows[-1]["shared_prefix_attention"] = True
     off = rows[0]["tokens"]
     for r in rows:
         r["same_tokens_as_off"] = r.pop("tokens") == off

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from graphattn.buckets import BucketPolicy, LengthBuckets, pad_to_capture_size, validate_sizes
 from graphattn.config import RunnerConfig
-from graphattn.keys import BatchShape, CaptureSupport, CUDAGraphMode, GraphKey
+from graphattn.keys import BatchShape, CaptureSupport, CUDAGraphMode, GraphKey, capture_order
 
 __all__ = ["CaptureSupport", "GraphDispatcher", "GraphKey"]
 
@@ -35,6 +36,9 @@ class GraphDispatcher:
         Padded token counts of piecewise keys: ``GraphKey(t, t, max_model_len,
         False)``, whose plan (no decode path, the longest bucket) does not depend
         on the batch, so the pieces' shapes depend on t alone.
+    shared_prefix_sizes : sequence of int
+        Shared-prefix lengths of uniform-decode keys with shared-prefix attention
+        (`graphattn.cascade`): each decode key also exists once per size below its bucket.
     """
 
     def __init__(
@@ -46,7 +50,10 @@ class GraphDispatcher:
         capture_support: CaptureSupport = CaptureSupport.ALWAYS,
         mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE,
         piecewise_token_sizes: Sequence[int] = (),
+        shared_prefix_sizes: Sequence[int] = (),
     ) -> None:
+        self.shared_prefix_sizes = (validate_sizes("shared_prefix_sizes", shared_prefix_sizes)
+                                    if shared_prefix_sizes else ())
         try:
             self.mode = CUDAGraphMode(mode)
         except ValueError:
@@ -91,7 +98,7 @@ class GraphDispatcher:
             sizes = tuple(s for s in sizes if top is None or s <= top)
         return cls(sizes, LengthBuckets(max_model_len, policy.length_boundaries),
                    policy.decode_query_len, policy.mixed_token_sizes, capture_support, mode,
-                   policy.piecewise_token_sizes)
+                   policy.piecewise_token_sizes, policy.shared_prefix_sizes)
 
     @classmethod
     def for_runner(cls, config: RunnerConfig, max_model_len: int, max_num_reqs: int,
@@ -127,7 +134,12 @@ class GraphDispatcher:
         # an empty batch (a dummy run) fits any key: the smallest uniform one when there is one
         uniform = shape.num_reqs == 0 or (
             shape.uniform_decode and shape.num_tokens == shape.num_reqs * q)
-        return self.dispatch(shape.num_reqs, shape.num_tokens, shape.max_seq_len, uniform)
+        key = self.dispatch(shape.num_reqs, shape.num_tokens, shape.max_seq_len, uniform)
+        if shape.shared_prefix and key is not None and key.uniform_decode and (
+                shape.shared_prefix in self.shared_prefix_sizes
+                and shape.shared_prefix < key.max_len_bucket):
+            return dataclasses.replace(key, shared_prefix=shape.shared_prefix)
+        return key
 
     @staticmethod
     def check_fits(key: GraphKey, shape: BatchShape) -> None:
@@ -149,10 +161,10 @@ class GraphDispatcher:
         q = self.decode_query_len
         for b in self.length_buckets.boundaries:
             if self.capture_sizes_allowed:
-                keys += [GraphKey(r, r * q, b, True) for r in self.capture_sizes]
+                keys += [GraphKey(r, r * q, b, True, p) for r in self.capture_sizes
+                         for p in (0, *self.shared_prefix_sizes) if p < b]
             keys += [GraphKey(t, t, b, False) for t in self.mixed_token_sizes]
-        return sorted(keys, key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
-                                           k.max_len_bucket, k.uniform_decode), reverse=True)
+        return sorted(keys, key=capture_order, reverse=True)
 
     def dispatch(self, num_reqs: int, num_tokens: int, max_seq_len: int,
                  uniform_decode: bool) -> GraphKey | None:

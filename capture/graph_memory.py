@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from graphattn.buckets import BucketPolicy
-from graphattn.keys import GraphKey
+from graphattn.keys import GraphKey, capture_order
 
 __all__ = ["GraphMemoryEstimate", "fit_capture_sizes", "measure_keys"]
 
@@ -69,8 +69,7 @@ def measure_keys(keys: Sequence[GraphKey], run: Callable[[GraphKey], object],
                  device: torch.device) -> GraphMemoryEstimate:
     """Run ``run(key)`` (an eager step at the key's padded shapes returning its outputs) once
     per key, largest first, and record its allocator peak and output bytes."""
-    order = sorted(set(keys), key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
-                                             k.max_len_bucket, k.uniform_decode), reverse=True)
+    order = sorted(set(keys), key=capture_order, reverse=True)
     cuda = device.type == "cuda"
     peaks, outputs = [], []
     for key in order:

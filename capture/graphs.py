@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphattn.backends.registry import PadValue
-from graphattn.keys import GraphKey
+from graphattn.keys import GraphKey, capture_order
 from graphattn.transfer import Uploader
 
 logger = logging.getLogger("graphattn")
@@ -225,8 +225,7 @@ class CUDAGraphManager:
             Log the report's one-line summary (logger "graphattn", INFO) at the end (default:
             `progress`).
         """
-        order = sorted(set(keys), key=lambda k: (k.num_tokens_padded, k.num_reqs_padded,
-                                                 k.max_len_bucket, k.uniform_decode),
+        order = sorted(set(keys), key=capture_order,
                        reverse=True)
         todo = [k for k in order if k not in self._captured]
         report = CaptureReport(num_skipped=len(order) - len(todo), device=self.device.type,

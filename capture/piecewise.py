@@ -28,7 +28,8 @@ from graphattn.sync import opaque_region
 __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
 
 SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv",
-                 "graphattn::rope_write_kv", "graphattn::rope_paged_decode")
+                 "graphattn::rope_write_kv", "graphattn::rope_paged_decode",
+                 "graphattn::cascade_attention")
 _SPLIT_TARGETS = frozenset(
     t for name in SPLITTING_OPS
     for op in (getattr(torch.ops.graphattn, name.split("::")[1]),)

@@ -44,6 +44,7 @@ from graphattn.capture.ownership import Ownership
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.capture.step_output import OutputRings, StepOutput
+from graphattn.cascade import plan_shared_prefix
 from graphattn.checks import as_index
 from graphattn.config import RunnerConfig
 from graphattn.keys import BatchShape, CUDAGraphMode, GraphKey
@@ -424,9 +425,11 @@ class GraphRunner:
             st.check_known_tokens(sched)
             drafts = check_drafts(st, sched, draft_token_ids, self.dispatcher.decode_query_len,
                                   self.vocab_size, self.device_step.proposer is not None)
+            shape, shared = self._shared_prefix(sched, shape, force_eager or given or group)
             key = self._key(shape, force_eager, given, group)
         with prof.range("prepare"):
-            plan = self._plan(sched, shape, key, drafts)
+            plan = self._plan(sched, shape, key, drafts,
+                              shared if key is not None and key.shared_prefix else None)
         if key is None and not sched.num_reqs:  # nothing to run, no key to run it padded
             outs, mode, current = self._no_outputs(), CUDAGraphMode.NONE, None
         else:
@@ -463,14 +466,24 @@ class GraphRunner:
                 f"{shape.uniform_decode}) and on_missing='error' runs nothing eagerly")
         return key
 
+    def _shared_prefix(self, sched: SchedulerOutput, shape: BatchShape,
+                       fixed: Any) -> tuple[BatchShape, np.ndarray | None]:
+        """The shape with the step's shared prefix (`graphattn.cascade`) and its group, for
+        uniform-decode steps whose key the dispatcher picks (not forced, given or agreed)."""
+        sizes = self.dispatcher.shared_prefix_sizes
+        if not sizes or not shape.uniform_decode or fixed:
+            return shape, None
+        prefix, shared = plan_shared_prefix(self.state, sched.req_slots, sizes)
+        return (dataclasses.replace(shape, shared_prefix=prefix) if prefix else shape), shared
+
     def _plan(self, sched: SchedulerOutput, shape: BatchShape, key: GraphKey | None,
-              drafts: Any) -> BatchPlan:
+              drafts: Any, shared: np.ndarray | None = None) -> BatchPlan:
         st = self.state
         pads = (key.num_reqs_padded, key.num_tokens_padded) if key else (None, None)
         on_device = isinstance(drafts, torch.Tensor)
         plan = plan_batch(st, sched, *pads, shape=shape,
                           draft_token_ids=None if on_device else drafts,
-                          staging=self._staging)
+                          staging=self._staging, shared_rows=shared)
         if on_device:
             self.device_step.slot_drafts[to_device(sched.req_slots.astype(np.int64),
                                                    st.device)] = drafts.to(st.device,

@@ -25,9 +25,9 @@ __all__ = ["BatchPlan", "InputBatch", "assemble_batch", "assemble_tensors", "pla
 
 def _packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
     """Segment lengths of the packed buffer:
-    slots | scheduled | qsl | bound | drafts | req idx | offsets | draft ids."""
+    slots | scheduled | qsl | bound | drafts | shared | req idx | offsets | draft ids."""
     r, t = num_reqs_padded, num_tokens_padded
-    return [r, r, r + 1, r, r, t, t, t]
+    return [r, r, r + 1, r, r, r, t, t, t]
 
 
 @dataclass(slots=True)
@@ -54,6 +54,9 @@ class BatchPlan:
         int32 [num_reqs_padded], num_computed_tokens_cpu + num_scheduled_tokens.
     num_draft_tokens_np : np.ndarray
         int32 [num_reqs_padded]: speculative tokens of each row (0 without).
+    shared_rows_np : np.ndarray
+        int32 [num_reqs_padded]: 1 for the rows of the group that reads the step's shared
+        prefix once (`graphattn.cascade`), 0 elsewhere.
     req_indices_np, token_offsets_np : np.ndarray
         int32 [num_tokens_padded]: row of each token and its offset in the row's query.
     draft_ids_np : np.ndarray
@@ -75,6 +78,7 @@ class BatchPlan:
     query_start_loc_np: np.ndarray = field(init=False)
     seq_lens_cpu_upper_bound_np: np.ndarray = field(init=False)
     num_draft_tokens_np: np.ndarray = field(init=False)
+    shared_rows_np: np.ndarray = field(init=False)
     req_indices_np: np.ndarray = field(init=False)
     token_offsets_np: np.ndarray = field(init=False)
     draft_ids_np: np.ndarray = field(init=False)
@@ -105,8 +109,8 @@ class BatchPlan:
             views.append(flat[at : at + n])
             at += n
         (self.req_slots_np, self.num_scheduled_tokens_np, self.query_start_loc_np,
-         self.seq_lens_cpu_upper_bound_np, self.num_draft_tokens_np, self.req_indices_np,
-         self.token_offsets_np, self.draft_ids_np) = views
+         self.seq_lens_cpu_upper_bound_np, self.num_draft_tokens_np, self.shared_rows_np,
+         self.req_indices_np, self.token_offsets_np, self.draft_ids_np) = views
         self.query_start_loc_cpu = torch.from_numpy(self.query_start_loc_np)
         self.seq_lens_cpu_upper_bound = torch.from_numpy(self.seq_lens_cpu_upper_bound_np)
 
@@ -148,6 +152,8 @@ class InputBatch(BatchPlan):
         int32 [num_reqs_padded] on device: speculative tokens per row.
     draft_ids : torch.Tensor
         int32 [num_tokens_padded] on device: draft token ids, -1 elsewhere.
+    shared_rows : torch.Tensor
+        int32 [num_reqs_padded] on device: 1 for the shared-prefix group's rows.
     """
 
     query_start_loc: torch.Tensor
@@ -161,6 +167,7 @@ class InputBatch(BatchPlan):
     num_scheduled: torch.Tensor
     num_drafts: torch.Tensor
     draft_ids: torch.Tensor
+    shared_rows: torch.Tensor
 
 
 def plan_batch(
@@ -171,6 +178,7 @@ def plan_batch(
     shape: BatchShape | None = None,
     draft_token_ids: np.ndarray | None = None,
     staging: StagingRing | None = None,
+    shared_rows: np.ndarray | None = None,
 ) -> BatchPlan:
     """CPU half of `prepare_inputs`: validate, pad and pack (numpy, no device work).
 
@@ -193,6 +201,9 @@ def plan_batch(
         buffer no copy in flight reads (the caller releases it, keyed by
         ``(num_reqs_padded, num_tokens_padded)``, once its copy is enqueued, and drops
         it then); default a fresh plan and pinned buffer.
+    shared_rows : np.ndarray, optional
+        bool [num_reqs]: the rows that read the step's shared prefix once
+        (`graphattn.cascade.plan_shared_prefix`).
 
     Raises
     ------
@@ -215,6 +226,8 @@ def plan_batch(
     pending = state.num_pending_drafts_np  # the whole table first: no gather without drafts
     plan.seq_lens_exact = not (pending.any() and pending[sched.req_slots].any())
     _fill_plan(plan, sched, shape, draft_token_ids)
+    if shared_rows is not None:
+        plan.shared_rows_np[: plan.num_reqs] = shared_rows
     return plan
 
 
@@ -281,11 +294,12 @@ def assemble_tensors(packed: torch.Tensor, num_computed_tokens: torch.Tensor,
     Returns
     -------
     (query_start_loc, seq_lens, positions, slot_mapping, block_table, req_indices,
-    token_slots, req_slots, num_scheduled, num_drafts, draft_ids); see InputBatch.
+    token_slots, req_slots, num_scheduled, num_drafts, draft_ids, shared_rows); see
+    InputBatch.
     """
     reqs_p, toks_p = num_reqs_padded, num_tokens_padded
-    d_slots, d_sched, d_qsl, _, d_drafts, d_req_idx, d_offsets, d_draft_ids = torch.split(
-        packed, _packed_sizes(reqs_p, toks_p))
+    (d_slots, d_sched, d_qsl, _, d_drafts, d_shared, d_req_idx, d_offsets,
+     d_draft_ids) = torch.split(packed, _packed_sizes(reqs_p, toks_p))
     d_slots = d_slots.long()
     d_req_idx = d_req_idx.long()
     real_row = d_sched > 0
@@ -305,7 +319,7 @@ def assemble_tensors(packed: torch.Tensor, num_computed_tokens: torch.Tensor,
         slot_mapping = torch.where(real_tok, blocks * block_size + positions % block_size, -1)
     block_table = torch.where(real_row[:, None], state_block_table[d_slots], 0)
     return (d_qsl, seq_lens, positions, slot_mapping, block_table, d_req_idx, token_slots,
-            d_slots, d_sched, d_drafts, d_draft_ids)
+            d_slots, d_sched, d_drafts, d_draft_ids, d_shared)
 
 
 def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor,
@@ -333,15 +347,15 @@ def assemble_batch(state: RequestState, plan: BatchPlan, packed: torch.Tensor,
         `assemble_tensors`, or a compiled version of it.
     """
     (qsl, seq_lens, positions, slot_mapping, block_table, req_idx, token_slots, req_slots,
-     sched, drafts, draft_ids) = tensors_fn(packed, state.num_computed_tokens, state.block_table,
-                                            plan.num_reqs_padded, plan.num_tokens_padded,
-                                            state.block_size)
+     sched, drafts, draft_ids, shared) = tensors_fn(
+        packed, state.num_computed_tokens, state.block_table, plan.num_reqs_padded,
+        plan.num_tokens_padded, state.block_size)
     return InputBatch(plan.num_reqs, plan.num_reqs_padded, plan.num_tokens,
                       plan.num_tokens_padded, plan.packed, plan.seq_lens_exact,
                       query_start_loc=qsl, seq_lens=seq_lens, positions=positions,
                       slot_mapping=slot_mapping, block_table=block_table, req_indices=req_idx,
                       token_slots=token_slots, req_slots=req_slots, num_scheduled=sched,
-                      num_drafts=drafts, draft_ids=draft_ids)
+                      num_drafts=drafts, draft_ids=draft_ids, shared_rows=shared)
 
 
 def prepare_inputs(

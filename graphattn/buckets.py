@@ -168,6 +168,10 @@ class BucketPolicy:
     piecewise_token_sizes : tuple[int, ...]
         Padded token counts at which the pieces of a piecewise-compiled model are
         captured (empty: no piecewise mode).
+    shared_prefix_sizes : tuple[int, ...]
+        Shared-prefix lengths (tokens, multiples of the block size) of uniform-decode keys
+        with shared-prefix attention (`graphattn.cascade`): each decode key is also
+        captured once per size below its length bucket (empty: off).
     """
 
     capture_sizes: tuple[int, ...] = field(default_factory=lambda: default_capture_sizes(16))
@@ -175,8 +179,11 @@ class BucketPolicy:
     mixed_token_sizes: tuple[int, ...] = ()
     decode_query_len: int = 1
     piecewise_token_sizes: tuple[int, ...] = ()
+    shared_prefix_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.shared_prefix_sizes:
+            validate_sizes("shared_prefix_sizes", self.shared_prefix_sizes)
         validate_sizes("capture_sizes", self.capture_sizes)
         if self.mixed_token_sizes:
             validate_sizes("mixed_token_sizes", self.mixed_token_sizes)

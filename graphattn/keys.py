@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BatchShape", "CUDAGraphMode", "CaptureSupport", "GraphKey"]
+__all__ = ["BatchShape", "CUDAGraphMode", "CaptureSupport", "GraphKey", "capture_order"]
 
 
 class CUDAGraphMode(str, enum.Enum):
@@ -62,12 +62,16 @@ class GraphKey:
         Bucket of the upper-bound max length; sizes length-dependent buffers.
     uniform_decode : bool
         Every row has the same query length num_tokens_padded / num_reqs_padded.
+    shared_prefix : int
+        Tokens of a prefix that a group of rows shares (read once per KV head for the
+        group: shared-prefix, or cascade, attention); 0: off.
     """
 
     num_reqs_padded: int
     num_tokens_padded: int
     max_len_bucket: int
     uniform_decode: bool
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if self.num_reqs_padded < 1 or self.num_tokens_padded < self.num_reqs_padded:
@@ -77,6 +81,9 @@ class GraphKey:
             )
         if self.max_len_bucket < 1:
             raise ValueError(f"max_len_bucket = {self.max_len_bucket}, expected >= 1")
+        if not 0 <= self.shared_prefix < self.max_len_bucket:
+            raise ValueError(f"shared_prefix = {self.shared_prefix}, expected in [0, "
+                             f"max_len_bucket={self.max_len_bucket})")
         if self.uniform_decode and self.num_tokens_padded % self.num_reqs_padded:
             raise ValueError(
                 f"uniform key: num_tokens_padded {self.num_tokens_padded} is not a multiple of "
@@ -90,8 +97,16 @@ class GraphKey:
 
     def __str__(self) -> str:
         kind = f"decode q={self.query_len}" if self.uniform_decode else "mixed"
+        shared = f" shared prefix {self.shared_prefix}" if self.shared_prefix else ""
         return (f"reqs={self.num_reqs_padded} tokens={self.num_tokens_padded} "
-                f"len<={self.max_len_bucket} {kind}")
+                f"len<={self.max_len_bucket} {kind}{shared}")
+
+
+def capture_order(key: GraphKey) -> tuple[int, int, int, bool, int]:
+    """Sort key of graph keys by size (capture goes largest first: later, smaller graphs
+    reuse the pool's memory)."""
+    return (key.num_tokens_padded, key.num_reqs_padded, key.max_len_bucket,
+            key.uniform_decode, key.shared_prefix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +127,8 @@ class BatchShape:
     seq_lens_upper_bound : np.ndarray or None
         int32 [num_reqs]: num_computed_tokens_cpu + num_scheduled_tokens per row
         (None for a shape agreed across ranks, which has no rows of its own).
+    shared_prefix : int
+        Tokens of a prefix a group of its rows shares (`graphattn.cascade`); 0: none.
     """
 
     num_reqs: int
@@ -119,6 +136,7 @@ class BatchShape:
     max_seq_len: int
     uniform_decode: bool
     seq_lens_upper_bound: np.ndarray | None = field(default=None, compare=False, repr=False)
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_reqs, self.num_tokens, self.max_seq_len) < 0:

@@ -46,6 +46,9 @@ class CommonAttentionMetadata:
         int32 [num_reqs] exact CPU lengths, when known without a device read.
     _num_computed_tokens_cpu : torch.Tensor, optional
         int32 [num_reqs] exact CPU context lengths, likewise.
+    shared_rows : torch.Tensor, optional
+        int32 [num_reqs] on device: 1 for the rows that read the key's shared prefix once
+        (`graphattn.cascade`).
     """
 
     query_start_loc: torch.Tensor
@@ -60,6 +63,7 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor
     _seq_lens_cpu: torch.Tensor | None = None
     _num_computed_tokens_cpu: torch.Tensor | None = None
+    shared_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.num_reqs
@@ -184,4 +188,5 @@ def build_common_metadata(batch: InputBatch) -> CommonAttentionMetadata:
         slot_mapping=batch.slot_mapping,
         _seq_lens_cpu=exact,
         _num_computed_tokens_cpu=computed,
+        shared_rows=batch.shared_rows,
     )

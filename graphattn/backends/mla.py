@@ -93,8 +93,9 @@ class MLABuilder(PagedAttentionBuilder):
             )
         chunk = max(chunk, bs)
         max_ctx = int(ctx.max(initial=0))
-        return MLAMetadata(
-            **plan.as_kwargs(), num_prefills=num_prefills, num_prefill_tokens=int(q[pre].sum()),
+        return MLAMetadata(  # no shared-prefix pass: the latent decode reads every row whole
+            **{**plan.as_kwargs(), "shared_prefix": 0}, shared_rows=None,
+            num_prefills=num_prefills, num_prefill_tokens=int(q[pre].sum()),
             context_lens_cpu=ctx, chunk_size=chunk,
             num_chunks=-(-max_ctx // chunk), max_prefill_query_len=int(q[pre].max(initial=0)),
             **paged_tensors(common),

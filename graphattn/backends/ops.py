@@ -1,6 +1,7 @@
 """Attention and the KV-cache write as registered custom ops (torch.library).
 
-``torch.ops.graphattn.paged_attention``, ``torch.ops.graphattn.write_kv``,
+``torch.ops.graphattn.paged_attention``, ``torch.ops.graphattn.cascade_attention`` (a
+shared prefix read once for a group of rows), ``torch.ops.graphattn.write_kv``,
 ``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write) and
 ``torch.ops.graphattn.rope_paged_decode`` (both fused into the attention, decode rows) are
 opaque to torch.compile (fake implementations give the shapes), so a compiled forward keeps
@@ -16,16 +17,23 @@ import functools
 import torch
 
 from graphattn.backends.launch_config import resolve_kernel, rope_fusable
-from graphattn.backends.reference import gather_paged_attention, write_to_cache
+from graphattn.backends.reference import (
+    cascade_paged_attention,
+    gather_paged_attention,
+    shared_prefix_bounds,
+    write_to_cache,
+)
 from graphattn.backends.rope import apply_rope, cos_sin
 from graphattn.backends.triton_launch import (
     check_contiguous_caches,
     launch_rope_write_kv,
+    launch_shared_prefix,
     launch_write_kv,
     triton_attention,
 )
 
-__all__ = ["kv_bounds", "paged_attention", "rope_paged_decode", "rope_write_kv", "write_kv"]
+__all__ = ["cascade_attention", "kv_bounds", "paged_attention", "rope_paged_decode",
+           "rope_write_kv", "write_kv"]
 
 
 def kv_bounds(num_kv_blocks: int, max_len: int) -> torch.Tensor:
@@ -136,6 +144,82 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
       num_decodes, decode_query_len, kv_bounds, window, softcap, sinks, kernel):
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
+@torch.library.custom_op("graphattn::cascade_attention", mutates_args=())
+def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                      kv_bounds: torch.Tensor, shared_rows: torch.Tensor, shared_prefix: int,
+                      window: int, softcap: float, sinks: torch.Tensor | None,
+                      kernel: str) -> torch.Tensor:
+    """`paged_attention` with a prefix that a group of rows shares, read once per KV head.
+
+    The rows with ``shared_rows[r] = 1`` hold the same first ``shared_prefix / block_size``
+    blocks (read-only: below each one's computed tokens); the prefix's keys are read once
+    for all their tokens through the first such row's block table, each row's own keys
+    from position `shared_prefix` on (from 0 outside the group), and the two partial
+    softmaxes are merged by their log-sum-exp. Sinks count once (in the suffix pass).
+
+    Parameters
+    ----------
+    shared_rows : int32 [rows] (device)
+    shared_prefix : int
+        Tokens of the shared prefix, a multiple of the block size (the graph key's).
+    Others : see `paged_attention`.
+
+    Returns
+    -------
+    torch.Tensor
+        [T, H, Dv] in q's dtype; 0 for padded tokens.
+    """
+    bs = k_cache.shape[1]
+    if shared_prefix <= 0 or shared_prefix % bs:
+        raise ValueError(f"shared_prefix = {shared_prefix}, expected a positive multiple of "
+                         f"the block size {bs}")
+    num_kv_blocks, max_len = _read_bounds(kv_bounds)
+    if resolve_kernel(kernel, q.device) != "triton":
+        return cascade_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                       block_table, slot_mapping, scale, num_kv_blocks,
+                                       shared_rows, shared_prefix, window, softcap,
+                                       sinks).contiguous()
+    return _triton_cascade(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+                           max_len, shared_rows, shared_prefix, window, softcap, sinks)
+
+
+def _triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, scale: float, max_len: int,
+                    shared_rows: torch.Tensor, shared_prefix: int, window: int, softcap: float,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """The prefix pass (`launch_shared_prefix`), the suffix pass (the unified kernel from
+    each row's kv_start) and their merge."""
+    t, h = q.shape[:2]
+    req, hi, lo = shared_prefix_bounds(query_start_loc, seq_lens, t, window)
+    member = shared_rows.long()[req] > 0
+    leader = block_table.index_select(0, shared_rows.long().argmax().view(1))[0]
+    key_hi = torch.where(member, hi.clamp(max=shared_prefix), 0).to(torch.int32)
+    o_p, lse_p = launch_shared_prefix(q, k_cache, v_cache, leader.contiguous(), key_hi,
+                                      lo.to(torch.int32) if window > 0 else None,
+                                      shared_prefix, scale, softcap)
+    lse_s = torch.empty(t * h, dtype=torch.float32, device=q.device)
+    start = torch.where(shared_rows > 0, shared_prefix, 0).to(torch.int32)
+    o_s = triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+                           0, max_len, window, softcap, sinks, kv_start=start, lse=lse_s)
+    lse = torch.cat([lse_p, lse_s.view(1, t, h)])
+    m = lse.amax(0)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w = torch.exp(lse - m)
+    o = torch.cat([o_p, o_s.float()[None]])
+    out = (o * w[..., None]).sum(0) / w.sum(0).clamp_min(torch.finfo(torch.float32).tiny)[
+        ..., None]
+    return out.to(q.dtype)
+
+
+@cascade_attention.register_fake
+def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+      kv_bounds, shared_rows, shared_prefix, window, softcap, sinks, kernel):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 

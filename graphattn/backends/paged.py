@@ -84,6 +84,9 @@ class PagedPlan:
         Upper bound of every row's length (bound max, or the key's bucket).
     num_kv_blocks : int
         Blocks read per row, ceil(max_len / block_size).
+    shared_prefix : int
+        Tokens of the prefix the group of `shared_rows` reads once per KV head (the key's;
+        0: off).
     """
 
     num_decodes: int
@@ -91,6 +94,7 @@ class PagedPlan:
     decode_query_len: int
     max_len: int
     num_kv_blocks: int
+    shared_prefix: int = 0
 
     def as_kwargs(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -100,13 +104,17 @@ class PagedPlan:
 class PagedAttentionMetadata(PagedTensors):
     """Plan (CPU ints, the fields of `PagedPlan`) and device tensors (see `PagedTensors`)
     of paged attention; `kv_bounds` holds (num_kv_blocks, max_len) as the op takes them
-    (int64 CPU [2], see ``torch.ops.graphattn.paged_attention``)."""
+    (int64 CPU [2], see ``torch.ops.graphattn.paged_attention``); with `shared_prefix`,
+    `shared_rows` (int32 [rows]) marks the rows that read it once
+    (``torch.ops.graphattn.cascade_attention``)."""
 
     num_decodes: int
     num_decode_tokens: int
     decode_query_len: int
     max_len: int
     num_kv_blocks: int
+    shared_prefix: int
+    shared_rows: torch.Tensor | None
     kv_bounds: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,14 +157,15 @@ class PagedAttentionBuilder:
             nd = leading_decodes(common.query_lens_cpu, qd)
             max_len = common.max_seq_len
         nb = block_count(max_len, self.block_size, common.block_table_tensor.shape[1])
+        shared = key.shared_prefix if key is not None and common.shared_rows is not None else 0
         return PagedPlan(num_decodes=nd, num_decode_tokens=nd * qd, decode_query_len=qd,
-                         max_len=max_len, num_kv_blocks=nb)
+                         max_len=max_len, num_kv_blocks=nb, shared_prefix=shared)
 
     def build(self, common: CommonAttentionMetadata,
               key: GraphKey | None = None) -> PagedAttentionMetadata:
         """Metadata of `common`; with `key`, the plan of that key's graph."""
         return PagedAttentionMetadata(**self.plan(common, key).as_kwargs(),
-                                      **paged_tensors(common))
+                                      **paged_tensors(common), shared_rows=common.shared_rows)
 
 
 class PagedAttentionImpl:
@@ -255,6 +264,7 @@ class PagedAttentionImpl:
         k_cache, v_cache = kv_cache
         rows = meta.block_table.shape[0]
         if meta.decode_query_len == 1 and meta.num_decodes == rows > 0 and (
+                not meta.shared_prefix) and (
                 self.fuse_rope if self.fuse_rope is not None else fuse_rope_decode(
                     rows, self.num_kv_heads, self.head_dim, meta.max_len, qkv.device,
                     self.kernel)):
@@ -274,7 +284,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: PagedAttentionMetadata, scale: float, window: int = 0,
                     softcap: float = 0.0, sinks: torch.Tensor | None = None,
                     kernel: str = "auto") -> torch.Tensor:
-    """Attention over what the cache holds (``torch.ops.graphattn.paged_attention`` of `meta`)."""
+    """Attention over what the cache holds (``torch.ops.graphattn.paged_attention`` of `meta`,
+    or ``cascade_attention`` when it has a shared prefix)."""
+    if meta.shared_prefix:
+        return torch.ops.graphattn.cascade_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+            meta.slot_mapping, scale, meta.kv_bounds, meta.shared_rows, meta.shared_prefix,
+            window, softcap, sinks, kernel)
     return torch.ops.graphattn.paged_attention(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
         meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.kv_bounds,

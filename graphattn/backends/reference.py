@@ -12,6 +12,8 @@ from einops import rearrange
 
 __all__ = [
     "allocate_kv_cache",
+    "cascade_paged_attention",
+    "shared_prefix_bounds",
     "cache_slots",
     "gather_paged",
     "gather_positions",
@@ -267,3 +269,48 @@ def gather_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not outs:
         return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def shared_prefix_bounds(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, t: int,
+                         window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each of `t` tokens' keys, for the two passes of shared-prefix attention.
+
+    Returns
+    -------
+    req : int64 [T], each token's row
+    hi : int64 [T], the token's last key + 1 (0 for a padded token)
+    lo : int64 [T], its window's first key (0 without a window)
+    """
+    req = token_request_index(query_start_loc, t)
+    pos = token_positions(query_start_loc, seq_lens, req)
+    real = torch.arange(t, device=pos.device) < query_start_loc[-1]
+    hi = torch.where(real, pos + 1, 0)
+    lo = (hi - window).clamp(min=0) if window > 0 else torch.zeros_like(hi)
+    return req, hi, lo
+
+
+def cascade_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                            num_kv_blocks: int, shared_rows: torch.Tensor, shared_prefix: int,
+                            window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Shared-prefix attention in plain torch (the reference and CPU path of
+    ``torch.ops.graphattn.cascade_attention``): the prefix's KV gathered once, through the
+    first group row's block table, for every token of the group; each token's own keys from
+    the prefix's end on (from 0 outside the group); the two merged by log-sum-exp."""
+    bs = k_cache.shape[1]
+    req, hi, lo = shared_prefix_bounds(query_start_loc, seq_lens, q.shape[0], window)
+    member = shared_rows.long()[req] > 0
+    leader = block_table.index_select(0, shared_rows.long().argmax().view(1))
+    nbp = shared_prefix // bs
+    kp, vp = gather_paged(k_cache, leader, nbp), gather_paged(v_cache, leader, nbp)
+    extra = dict(scale=scale, softcap=softcap)
+    o_p, lse_p = grouped_attention(q[None], kp, vp, torch.where(member, hi.clamp(
+        max=shared_prefix), 0)[None], lo[None], **extra)
+    start = torch.maximum(lo, torch.where(member, shared_prefix, 0))
+    kc = gather_paged(k_cache, block_table, num_kv_blocks)[req]
+    vc = gather_paged(v_cache, block_table, num_kv_blocks)[req]
+    o_s, lse_s = grouped_attention(q[:, None], kc, vc, hi[:, None], start[:, None],
+                                   sinks=sinks, **extra)
+    return merge_attention(o_p[0], lse_p[0], o_s[:, 0], lse_s[:, 0])[0]

@@ -118,7 +118,8 @@ class SparseIndexerBuilder(PagedAttentionBuilder):
         n_pre = int((q[nd:] > 0).sum())
         pre = slice(nd, nd + n_pre)
         chunks = plan_prefill_chunks(q[pre], bound[pre], self.logits_budget, nd, nd * qd)
-        return SparseIndexerMetadata(**plan.as_kwargs(), prefill_chunks=chunks,
+        return SparseIndexerMetadata(**{**plan.as_kwargs(), "shared_prefix": 0},
+                                     shared_rows=None, prefill_chunks=chunks,
                                      **paged_tensors(common))
 
 

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-__all__ = ["merge_splits_kernel", "rope_write_kv_kernel", "unified_attention_kernel",
-           "write_kv_kernel"]
+__all__ = ["merge_splits_kernel", "rope_write_kv_kernel", "shared_prefix_kernel",
+           "unified_attention_kernel", "write_kv_kernel"]
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _rotate(x1, x2, c, s, dtype: tl.constexpr):
 def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
-    positions, inv_freq, slot_mapping,
+    positions, inv_freq, slot_mapping, kv_start,
     scale, softcap, window,
     num_rows, num_heads, num_tokens, num_splits,
     stride_qt, stride_qh,
@@ -88,8 +88,12 @@ def unified_attention_kernel(
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
+    USE_KV_START: tl.constexpr,
 ):
-    """ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
+    """USE_KV_START: each row reads keys from ``kv_start[row]`` on (the suffix pass of
+    shared-prefix attention).
+
+    ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
     equal to HEAD_DIM_V): `q` is the q-head view of a fused qkv [T, (H + 2 Hkv) * D] (k and
     v heads follow the q heads of each token); q and the new k are rotated here (NeoX
     halves, angle positions[t] * inv_freq), the row's last split writes k and v to slot
@@ -169,6 +173,8 @@ def unified_attention_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
+    if USE_KV_START:
+        kv_lo = tl.maximum(kv_lo, tl.load(kv_start + row))
     if not SPLIT:
         seg_lo = kv_lo
         stop = kv_hi
@@ -236,6 +242,76 @@ def unified_attention_kernel(
         tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
                  mask=m_ok[:, None] & dv_ok[None, :])
         tl.store(part_lse + base, lse2, mask=m_ok)
+
+
+@triton.jit
+def shared_prefix_kernel(
+    part_out, part_lse, q, k_cache, v_cache, prefix_table, key_hi, key_lo,
+    scale, softcap, num_tokens, num_heads, prefix_len, num_splits,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    """The prefix pass of shared-prefix attention: a program owns BLOCK_M (token, head)
+    pairs of one KV head and one of `num_splits` parts of the prefix, whose keys it reads
+    once for all of them through ``prefix_table`` (the group's block ids). Token t sees
+    prefix keys [key_lo[t], key_hi[t]) (key_hi 0: a token outside the group). Writes the
+    part's normalized output and log2-sum-exp to part_out / part_lse [split, t, head]."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = idx // G
+    head = kvh * G + idx % G
+    in_range = tok < num_tokens
+    hi = tl.load(key_hi + tok, mask=in_range, other=0)
+    lo = tl.zeros([BLOCK_M], tl.int32)
+    if USE_WINDOW:
+        lo = tl.load(key_lo + tok, mask=in_range, other=0)
+    m_ok = in_range & (hi > 0)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    part = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+    seg_lo = split * part
+    stop = tl.minimum(prefix_len, seg_lo + part)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    for n0 in range(seg_lo, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        page = tl.load(prefix_table + offs_n // PAGE, mask=n_ok, other=0)
+        slot = offs_n % PAGE
+        kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
+                     + kvh * stride_kh + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = _log2_logits(tl.dot(qv, kt), scale, softcap, USE_SOFTCAP)
+        vis = (m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] < hi[:, None])
+               & (offs_n[None, :] >= lo[:, None]))
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                     + kvh * stride_vh + offs_dv[None, :],
+                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    base = (split * num_tokens + tok) * num_heads + head
+    tl.store(part_out + base[:, None] * HEAD_DIM_V + offs_dv[None, :], o,
+             mask=in_range[:, None] & dv_ok[None, :])
+    tl.store(part_lse + base, lse2, mask=in_range)
 
 
 @triton.jit

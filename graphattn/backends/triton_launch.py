@@ -17,7 +17,7 @@ from graphattn.backends.launch_config import (
 )
 
 __all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_write_kv",
-           "triton_attention"]
+           "launch_shared_prefix", "triton_attention"]
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -60,8 +60,9 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_table: torch.Tensor, scale: float, uniform_query_len: int,
                      max_len: int, window: int, softcap: float, sinks: torch.Tensor | None,
                      config: TritonConfig | None = None,
-                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     kv_start: torch.Tensor | None = None,
+                     lse: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention through the unified kernel (+ the split merge); see
     `torch.ops.graphattn.paged_attention` for the arguments.
 
@@ -69,7 +70,9 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bound of every row's length; `config`: the launch config (default `decode_config` for
     uniform rows, `PREFILL_CONFIG` otherwise); `rope`: (positions, inv_freq, slot_mapping) of
     a one-token decode launch whose `q` is the q-head view of a fused qkv
-    (`rope_paged_decode`). Returns [T, H, Dv] in q's dtype, 0 for padded tokens.
+    (`rope_paged_decode`); `kv_start`: int32 [rows], each row's first key (default 0);
+    `lse`: float32 [T * H], filled with each (token, head)'s natural log-sum-exp (-inf for
+    padded tokens). Returns [T, H, Dv] in q's dtype, 0 for padded tokens.
     """
     from graphattn.backends.triton_kernels import merge_splits_kernel, unified_attention_kernel
 
@@ -81,22 +84,31 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"head_dim {d}, V head_dim {dv}")
     rows = block_table.shape[0]
     if t == 0 or rows == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
         return q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
     cfg, num_tiles, num_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
                                                            uniform_query_len, max_len, config)
-    features = dict(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None)
+    features = dict(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None,
+                    USE_KV_START=kv_start is not None)
+    consts["WRITE_LSE"] = lse is not None
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
+    if lse is not None and num_splits == 1:
+        lse.fill_(float("-inf"))  # padded tokens: the kernel writes real tokens only
     part = part_lse = out
     if num_splits > 1:
         part = torch.empty(t * h * num_splits, consts["DV_PAD"], dtype=torch.float32,
                            device=q.device)
         part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
     sink_arg = sinks if sinks is not None else out
+    lse_arg = out if lse is None else lse
     unified_attention_kernel[(num_tiles, k_cache.shape[2], num_splits)](
-        out, out, part, part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        sink_arg, *(rope or (seq_lens,) * 3), scale, softcap if softcap > 0 else 1.0, window,
+        out, lse_arg, part, part_lse, q, k_cache, v_cache, block_table, seq_lens,
+        query_start_loc, sink_arg, *(rope or (seq_lens,) * 3),
+        seq_lens if kv_start is None else kv_start, scale, softcap if softcap > 0 else 1.0,
+        window,
         rows, h, t, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
@@ -105,11 +117,51 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         **features, **consts)
     if num_splits > 1:
         merge_splits_kernel[(t, h)](
-            out, out, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
+            out, lse_arg, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
             out.stride(1), HEAD_DIM_V=dv, DV_PAD=consts["DV_PAD"], NUM_SPLITS=num_splits,
-            S_PAD=max(2, pow2(num_splits)), USE_SINKS=sinks is not None, WRITE_LSE=False,
+            S_PAD=max(2, pow2(num_splits)), USE_SINKS=sinks is not None,
+            WRITE_LSE=lse is not None,
             USE_PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl)
     return out
+
+
+def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         prefix_table: torch.Tensor, key_hi: torch.Tensor,
+                         key_lo: torch.Tensor | None, prefix_len: int, scale: float,
+                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix pass of shared-prefix attention (`shared_prefix_kernel`): the prefix's
+    keys read once per KV head for every (token, head) of a BLOCK_M tile, the prefix cut
+    into parts (grid from CPU numbers: tokens, KV heads and `prefix_len`).
+
+    Returns
+    -------
+    out : float32 [S, T, H, Dv]; lse : float32 [S, T, H], natural log (-inf: nothing seen)
+    """
+    from graphattn.backends.triton_kernels import shared_prefix_kernel
+
+    t, h, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    g = h // hkv
+    block_m = max(16, min(64, pow2(t * g)))
+    tiles_m = -(-t * g // block_m)
+    block_n = 64 if max(d, dv) <= 128 else 32
+    # parts so the grid fills the device about twice (a CPU choice; bounded by the prefix)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if (
+        q.device.type == "cuda") else 8
+    splits = max(1, min(-(-prefix_len // (4 * block_n)), -(-2 * sms // (tiles_m * hkv))))
+    out = torch.empty(splits, t, h, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    shared_prefix_kernel[(tiles_m, hkv, splits)](
+        out, lse, q, k_cache, v_cache, prefix_table, key_hi,
+        key_hi if key_lo is None else key_lo, scale, softcap if softcap > 0 else 1.0, t, h,
+        prefix_len, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)), DV_PAD=max(16, pow2(dv)),
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1], USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=key_lo is not None, num_warps=4)
+    return out, lse * 0.6931471805599453
 
 
 def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -54,7 +54,7 @@ def _kv_forward_setup(device):
         meta = PagedAttentionMetadata(
             num_decodes=key.num_reqs_padded, num_decode_tokens=key.num_tokens_padded,
             decode_query_len=key.query_len, max_len=key.max_len_bucket,
-            num_kv_blocks=key.max_len_bucket // 4,
+            num_kv_blocks=key.max_len_bucket // 4, shared_prefix=0, shared_rows=None,
             **{f: inputs[f] for f in PagedAttentionMetadata.tensor_fields})
         return impl.forward(inputs["q"], inputs["k"], inputs["v"], caches, meta)
 

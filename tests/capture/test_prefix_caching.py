@@ -15,14 +15,16 @@ from graphattn.sync import no_host_sync
 BS = 8
 
 
-def make(decode_query_len=1):
+def make(decode_query_len=1, shared_prefix_sizes=(), window=0):
     torch.manual_seed(0)
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32)).double()
+    if window:
+        model.impl.window = window
     st = RequestState(4, 64, BS, num_kv_blocks=24)
     model.allocate_caches(st.num_kv_blocks, BS)
     runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(2, 4), decode_query_len=decode_query_len, length_boundaries=(64,),
-        mixed_token_sizes=(32,))))
+        mixed_token_sizes=(32,), shared_prefix_sizes=shared_prefix_sizes)))
     runner.capture(progress=False)
     return model, st, runner
 
@@ -49,8 +51,11 @@ class NanoManager:
             self.by_prefix.setdefault(tuple(ids[:(i + 1) * BS]), b)
 
 
-def serve(runner, manager, prompts, new=6):
-    """Admit each prompt after the previous one's prefill (so later ones hit), decode all."""
+def serve(runner, manager, prompts, new=6, keys=None, logits=None):
+    """Admit each prompt after the previous one's prefill (so later ones hit), decode all
+    (each decode step's key and whether it replayed go to `keys`); each decode logit is
+    checked against the dense reference, or (`logits` given, a model with a window the
+    reference lacks) collected there."""
     st, model = runner.state, runner.forward
     seqs = {}
     for i, p in enumerate(prompts):
@@ -65,9 +70,14 @@ def serve(runner, manager, prompts, new=6):
     for _ in range(new):
         with no_host_sync():
             out = runner.step(SchedulerOutput(slots, np.ones(slots.size, np.int32)))
+        if keys is not None:
+            keys.append((out.key, out.replayed))
         for s, t, logit in zip(slots, out.sampled_host.wait(), out.logits, strict=True):
-            ref = model.reference_logits(torch.tensor(seqs[s]))[-1]
-            torch.testing.assert_close(logit, ref, rtol=1e-9, atol=1e-9)
+            if logits is None:
+                ref = model.reference_logits(torch.tensor(seqs[s]))[-1]
+                torch.testing.assert_close(logit, ref, rtol=1e-9, atol=1e-9)
+            else:
+                logits.append(logit.clone())
             seqs[s].append(int(t))
     np.testing.assert_array_equal(st.num_computed_tokens_np[slots], device_truth(st)[slots])
     return seqs
@@ -90,6 +100,28 @@ def test_shared_prefixes_prefill_once_and_match_the_reference(manager):
         m.free("r0")
         st.remove_request("r0")
         assert st.holders.count[tables[0]].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("window", [0, 12], ids=["full", "window_inside_prefix"])
+def test_shared_prefix_attention_reads_the_prefix_once_and_matches_the_reference(window):
+    """Three requests share the system prompt's two full blocks, a fourth shares nothing:
+    every decode step replays a key with a 16-token shared prefix (the group's prefix pass
+    plus each row's own keys), and every logit is the dense float64 reference's; with a
+    12-token window (starting inside the prefix) they are those of the same model without
+    shared-prefix attention."""
+    rng = np.random.default_rng(1)
+    system = list(rng.integers(0, 64, 20))
+    prompts = [system + list(rng.integers(0, 64, n)) for n in (5, 9, 3)]
+    prompts.append(list(rng.integers(0, 64, 17)))
+    keys, got, want = [], [] if window else None, []
+    _, st, runner = make(shared_prefix_sizes=(8, 16), window=window)
+    serve(runner, BlockManager(st.num_kv_blocks, BS), prompts, keys=keys, logits=got)
+    if window:
+        _, st2, plain = make(window=window)
+        serve(plain, BlockManager(st2.num_kv_blocks, BS), prompts, logits=want)
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-9, atol=1e-9)
+    assert [k.shared_prefix for k, _ in keys] == [16] * 6 and all(r for _, r in keys)
+    assert sum(k.shared_prefix > 0 for k in runner.graphs.keys) == 4  # 2 sizes x 2 batches
 
 
 def test_a_block_a_holder_may_still_write_is_not_shared():

@@ -103,7 +103,7 @@ def test_plan_is_cpu_only_and_validated():
     assert plan.token_offsets_np.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 0, 0]
     assert (plan.max_query_len, plan.max_seq_len) == (6, 7)
     with pytest.raises(ValueError, match=r"packed is torch.int32 \(5,\), expected torch.int32 "
-                                         r"\(57,\)"):
+                                         r"\(61,\)"):
         BatchPlan(2, 4, 9, 12, torch.zeros(5, dtype=torch.int32), True)
     with pytest.raises(ValueError, match="num_tokens = 13, expected in"):
         BatchPlan(2, 4, 13, 12, plan.packed, True)

@@ -2,7 +2,8 @@
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
 the K/V write, the fused rope + write + decode attention, the rotation at far positions, and
-the sparse indexer's attention over its selection (one-slot pages).
+the sparse indexer's attention over its selection (one-slot pages), and shared-prefix
+attention (the prefix pass and the suffix pass from each row's start).
 The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
 error on any machine."""
 
@@ -32,6 +33,7 @@ def main() -> None:
     import torch
 
     from graphattn.backends import launch_config, triton_launch
+    from tests.graphattn.backends import test_cascade as tc
     from tests.graphattn.backends import test_ops as t
     from tests.graphattn.backends import test_sparse_indexer as ts
 
@@ -91,6 +93,10 @@ def main() -> None:
     t.check_far_rotation("cpu")
     for spec, budget, pad in ((0, 400, (0, 0)), (2, 150, (2, 3))):  # one-slot pages
         ts.run_sparse(spec, budget, pad, "cpu", "triton", torch.float32, tol=1e-4)
+    for feature in sorted(tc.FEATURES):  # shared-prefix attention: prefix and suffix passes
+        for q_len in (1, 2):
+            out, want = tc.run_cascade("cpu", torch.float32, "triton", feature, 8, q_len)
+            torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     print("checked")
 
 
