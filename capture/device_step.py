@@ -14,6 +14,7 @@ import torch
 
 from graphattn.backends import AttentionBuilder, BuilderContext
 from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors
+from graphattn.capture.drafter import StepDrafter
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import is_integer_tensor
@@ -21,7 +22,7 @@ from graphattn.compile import BucketCompiler
 from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
-from graphattn.proposer import DraftProposer, StepDrafter
+from graphattn.proposer import DraftProposer
 from graphattn.sampling import ACCEPT_SALT, RESIDUAL_SALT, SamplingTable, rejection_sample
 from graphattn.state import RequestState
 

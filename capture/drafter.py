@@ -20,7 +20,7 @@ before any pass reads it. A position past the request's blocks drafts from the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -37,10 +37,63 @@ from graphattn.capture.model_contract import (
 from graphattn.config import INPUT_NAMES
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
+from graphattn.proposer import DraftProposer
 from graphattn.sampling import DRAFT_SALT, SamplingTable
 from graphattn.state import RequestState
 
-__all__ = ["DraftModelProposer", "DraftPlan"]
+__all__ = ["DraftModelProposer", "DraftPlan", "StepDrafter"]
+
+
+@runtime_checkable
+class StepDrafter(DraftProposer, Protocol):
+    """A proposer that sees every step (a draft model with its own KV cache): it follows
+    the target through each step's tokens and drafts the next step's tokens at its end.
+
+    The runner calls `bind` once, `plan` on the CPU before each step's device work, and
+    `observe` inside it after the target's tokens are sampled; `propose` then returns the
+    drafts made at the end of the row's previous step.
+
+    Attributes
+    ----------
+    draft_probs : torch.Tensor or None
+        float32 [max_num_reqs + 1, k, vocab]: the distribution each draft was drawn from
+        (None: drafts are point masses), for rejection sampling of sampled rows.
+    reads_hidden_states : bool
+        The drafter reads the target's hidden states (an EAGLE-style head): the runner
+        sets the target's ``keep_hidden_states`` and passes them to `observe`.
+    """
+
+    draft_probs: torch.Tensor | None
+    reads_hidden_states: bool
+
+    def bind(self, state: RequestState, context: BuilderContext,
+             sampler: SamplingTable | None) -> None:
+        """Allocate per-slot buffers for `state` (once, before any step)."""
+        ...
+
+    def plan(self, batch: InputBatch, common: CommonAttentionMetadata,
+             key: GraphKey | None) -> Any:
+        """The draft passes' metadata from CPU numbers (and the batch's device tensors)."""
+        ...
+
+    def observe(self, plan: Any, input_ids: torch.Tensor, batch: InputBatch,
+                sampled: torch.Tensor, new_lens: torch.Tensor, done: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None:
+        """Device work after sampling (capturable): follow the step's tokens and draft.
+
+        Parameters
+        ----------
+        plan : the step's `plan`
+        input_ids : int64 [num_tokens_padded], the step's tokens (drafts included)
+        batch : InputBatch
+        sampled : int64 [rows], each row's new token
+        new_lens : int64 [rows], each row's true length after the step (the new token's
+            position)
+        done : bool [rows], rows whose new token is real (prompt complete, not padding)
+        hidden : [num_tokens_padded, hidden] or None, the target's hidden states (for
+            drafters with ``reads_hidden_states``)
+        """
+        ...
 
 
 @dataclass(frozen=True, slots=True)

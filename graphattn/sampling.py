@@ -19,7 +19,9 @@ __all__ = ["SamplingParams", "SamplingTable", "hash_uniform", "rejection_sample"
 _M1, _M2, _M3 = -7046029254386353131, -4658895280553007687, 7640891576956012809
 _MASK53 = (1 << 53) - 1
 # seeded draws of different purposes at one position use disjoint hash counters
-DRAFT_SALT, ACCEPT_SALT, RESIDUAL_SALT = 1 << 40, 2 << 40, 3 << 40
+DRAFT_SALT = 1 << 40
+ACCEPT_SALT = 2 << 40
+RESIDUAL_SALT = 3 << 40
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,7 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `lse`: float32 [T * H], filled with each (token, head)'s natural log-sum-exp (-inf for
     padded tokens). Returns [T, H, Dv] in q's dtype, 0 for padded tokens.
     """
-    from graphattn.backends.triton_kernels import merge_splits_kernel, unified_attention_kernel
+    from graphattn.backends.triton_kernels import unified_attention_kernel
 
     t, h, d = q.shape
     dv = v_cache.shape[-1]
@@ -83,20 +83,17 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
                          f"head_dim {d}, V head_dim {dv}")
     rows = block_table.shape[0]
+    if lse is not None:  # padded tokens: the kernels write real tokens' only
+        lse.fill_(float("-inf"))
     if t == 0 or rows == 0:
-        if lse is not None:
-            lse.fill_(float("-inf"))
         return q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
     cfg, num_tiles, num_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
                                                            uniform_query_len, max_len, config)
-    features = dict(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None,
-                    USE_KV_START=kv_start is not None)
-    consts["WRITE_LSE"] = lse is not None
+    consts.update(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None,
+                  USE_KV_START=kv_start is not None, WRITE_LSE=lse is not None)
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
-    if lse is not None and num_splits == 1:
-        lse.fill_(float("-inf"))  # padded tokens: the kernel writes real tokens only
     part = part_lse = out
     if num_splits > 1:
         part = torch.empty(t * h * num_splits, consts["DV_PAD"], dtype=torch.float32,
@@ -108,21 +105,30 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, lse_arg, part, part_lse, q, k_cache, v_cache, block_table, seq_lens,
         query_start_loc, sink_arg, *(rope or (seq_lens,) * 3),
         seq_lens if kv_start is None else kv_start, scale, softcap if softcap > 0 else 1.0,
-        window,
-        rows, h, t, num_splits,
+        window, rows, h, t, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=cfg.pdl, ROPE_APPEND=rope is not None,
-        **features, **consts)
+        num_stages=cfg.num_stages, launch_pdl=cfg.pdl, ROPE_APPEND=rope is not None, **consts)
     if num_splits > 1:
-        merge_splits_kernel[(t, h)](
-            out, lse_arg, part, part_lse, sink_arg, query_start_loc, rows, h, out.stride(0),
-            out.stride(1), HEAD_DIM_V=dv, DV_PAD=consts["DV_PAD"], NUM_SPLITS=num_splits,
-            S_PAD=max(2, pow2(num_splits)), USE_SINKS=sinks is not None,
-            WRITE_LSE=lse is not None,
-            USE_PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl)
+        _merge_splits(out, lse_arg, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
+                      consts["DV_PAD"], sinks is not None, lse is not None, cfg.pdl)
     return out
+
+
+def _merge_splits(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor,
+                  part_lse: torch.Tensor, sinks: torch.Tensor, query_start_loc: torch.Tensor,
+                  rows: int, num_splits: int, dv_pad: int, use_sinks: bool, write_lse: bool,
+                  pdl: bool) -> None:
+    """`merge_splits_kernel` over every (token, head) of `out`."""
+    from graphattn.backends.triton_kernels import merge_splits_kernel
+
+    t, h, dv = out.shape
+    merge_splits_kernel[(t, h)](
+        out, lse, part, part_lse, sinks, query_start_loc, rows, h, out.stride(0),
+        out.stride(1), HEAD_DIM_V=dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits,
+        S_PAD=max(2, pow2(num_splits)), USE_SINKS=use_sinks, WRITE_LSE=write_lse,
+        USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -29,10 +29,13 @@ __all__ = ["ENCODER_DECODER_SUPPORTED", "HFEncoderDecoder"]
 ENCODER_DECODER_SUPPORTED = ("whisper",)
 # the generation head each supported family is served through
 _HEADS = {"whisper": "WhisperForConditionalGeneration"}
-_REASONS = {
-    "bart": "its decoder derives positions from the cache length, not from position ids, so "
-            "rows of a packed batch would get wrong positions",
-}
+_BART = ("its decoder layers (self and cross attention) are not wired to the paged backend "
+         "(HFEncoderDecoder wires Whisper's), and with transformers before 5.25 its decoder "
+         "derives positions from the cache length, not from position ids")
+_T5 = ("its relative position bias is an additive score bias per head and distance, which "
+       "the paged kernels do not apply")
+_REASONS = {"bart": _BART, "mbart": _BART, "marian": _BART, "t5": _T5, "mt5": _T5,
+            "umt5": _T5}
 
 
 class HFEncoderDecoder(HFCausalLM):

@@ -152,8 +152,13 @@ def test_unsupported_encoder_decoders_refused_when_wrapping():
         decoder_ffn_dim=32))
     with pytest.raises(ValueError, match=r"BartForConditionalGeneration \(model_type 'bart'\) "
                                          r"is not supported by HFEncoderDecoder: its decoder "
-                                         r"derives positions from the cache length"):
+                                         r"layers .* are not wired"):
         HFEncoderDecoder(bart, 2)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=32, num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match=r"model_type 't5'\) is not supported by "
+                                         r"HFEncoderDecoder: its relative position bias"):
+        HFEncoderDecoder(t5, 2)
     with pytest.raises(ValueError, match=r"WhisperForConditionalGeneration .* wrap it with "
                                          r"graphattn.models.hf_encoder_decoder"):
         HFCausalLM(whisper())
