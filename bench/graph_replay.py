@@ -7,6 +7,7 @@ capture, cannot take the other rows, and no compile state leaks between groups).
 
 Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 `graphattn_compiled_graphs` (inductor-compiled forward inside our graphs),
+`graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
 `replay_floor` / `replay_floor_compiled` (the graphs of `graphattn_graphs` /
@@ -41,7 +42,7 @@ from graphattn.capture.profiling import StageProfiler
 from graphattn.state import SchedulerOutput
 
 WARMUP = 5
-RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs")
+RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_fp8kv")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -124,7 +125,7 @@ def stage_times(runner: GraphRunner, step, steps: int) -> dict[str, float]:
 
 
 def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengths, steps,
-                bw, wbytes, rng, modes: tuple[str, ...]) -> list[dict]:
+                bw, wbytes, rng, modes: tuple[str, ...], kv_elem: int = 2) -> list[dict]:
     rows = []
     st = setup.state
     for length in lengths:
@@ -148,7 +149,7 @@ def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengt
             if None in keys:
                 raise RuntimeError(f"{mode} batch {n}: a step ran without a graph")
             live = float(lens[:n].sum() + n * (WARMUP + steps / 2))
-            floor = 1e6 * (wbytes + kv_bytes(cfg, live)) / bw
+            floor = 1e6 * (wbytes + kv_bytes(cfg, live, kv_elem)) / bw
             key = keys[-1]
             row = {"mode": mode, "batch": n, "length": length, **_summary(times),
                    "floor_us": floor, "host_us": 1e6 * float(np.median(host)),
@@ -157,7 +158,7 @@ def runner_rows(mode: str, setup, runner: GraphRunner, report, cfg, sizes, lengt
                    "keys": sorted({str(k) for k in keys})}
             row["host_stage_us"] = stage_times(runner, step, steps)
             rows.append(row)
-            if FLOORS[mode] in modes:  # the same keys back to back, no host work
+            if FLOORS.get(mode) in modes:  # the same keys back to back, no host work
                 seq = iter(keys[:WARMUP + steps])
                 set_lengths(st, lens)
                 ft = event_times(lambda seq=seq: runner.graphs.replay_only(next(seq)), steps)
@@ -291,12 +292,16 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
         if mode not in modes:
             continue
         try:
+            if mode == "graphattn_fp8kv":  # the compiled mode over an fp8 KV cache
+                k0 = setup.model.caches[0][0]
+                setup.model.allocate_caches(k0.shape[0] - 1, k0.shape[1], "fp8_e4m3")
             runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
                 setup.model, setup.state, RunnerConfig(policy=policy, compile=True))
             runner.graphs.keep_graphs = True  # node counts
             report = runner.capture(progress=False)
             out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,
-                            wbytes, np.random.default_rng(1), modes))
+                            wbytes, np.random.default_rng(1), modes,
+                            1 if mode == "graphattn_fp8kv" else 2))
         except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
             out([_error(mode, e)])
     if set(HANDWRITTEN) & set(modes):

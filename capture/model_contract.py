@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphattn.backends.reference import is_fp8
 from graphattn.config import INPUT_NAMES, RunnerConfig
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.state import RequestState
@@ -49,7 +50,7 @@ def model_dtype(forward: Any) -> torch.dtype | None:
 def check_caches(forward: Any, state: RequestState) -> None:
     """ValueError unless the model's paged caches (``forward.caches``: pairs of
     [blocks + 1, block_size, ...] tensors, when it has them) hold the state's blocks, at its
-    block size, on its device, contiguous, in the model's dtype (a model cast after
+    block size, on its device, contiguous, in the model's dtype or fp8 (a model cast after
     `allocate_caches` is caught here)."""
     caches = getattr(forward, "caches", None)
     if not isinstance(caches, list | tuple):
@@ -70,7 +71,7 @@ def check_caches(forward: Any, state: RequestState) -> None:
             if not cache.is_contiguous():
                 raise ValueError(f"{name}.caches[{layer}]: strides {cache.stride()} for shape "
                                  f"{tuple(cache.shape)}, expected a contiguous tensor")
-            if dtype is not None and cache.dtype != dtype:
+            if dtype is not None and cache.dtype != dtype and not is_fp8(cache.dtype):
                 raise ValueError(f"{name}.caches[{layer}]: dtype {cache.dtype}, expected the "
                                  f"model's {dtype} (call allocate_caches after casting the "
                                  "model)")

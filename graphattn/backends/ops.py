@@ -20,7 +20,9 @@ from graphattn.backends.launch_config import resolve_kernel, rope_fusable
 from graphattn.backends.reference import (
     cascade_paged_attention,
     gather_paged_attention,
+    is_fp8,
     shared_prefix_bounds,
+    to_cache_values,
     write_to_cache,
 )
 from graphattn.backends.rope import apply_rope, cos_sin
@@ -88,7 +90,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                     num_decodes: int, decode_query_len: int, kv_bounds: torch.Tensor,
                     window: int, softcap: float, sinks: torch.Tensor | None,
-                    kernel: str) -> torch.Tensor:
+                    kernel: str, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each query token over its row's paged KV (no host reads).
 
     Parameters
@@ -116,6 +118,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         Learned per-head sink logits added to each softmax denominator.
     kernel : str
         See the module docstring.
+    k_scale, v_scale : float
+        Dequantization scales of an fp8 cache (stored value x scale = K or V; 1 otherwise):
+        K's folds into the softmax scale, V's multiplies the output.
 
     Returns
     -------
@@ -125,25 +130,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kind = resolve_kernel(kernel, q.device)
     rows = block_table.shape[0]
     num_kv_blocks, max_len = _read_bounds(kv_bounds)
+    scale = scale * k_scale
     if kind == "triton":
         uniform = decode_query_len if num_decodes == rows and rows else 0
-        return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                 scale, uniform, max_len, window, softcap, sinks)
+        return _scaled(triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                        block_table, scale, uniform, max_len, window, softcap,
+                                        sinks), v_scale)
     if kind == "varlen":
-        if softcap > 0 or sinks is not None:
-            raise ValueError("kernel 'varlen' supports neither softcap nor sinks")
+        if softcap > 0 or sinks is not None or is_fp8(k_cache.dtype):
+            raise ValueError("kernel 'varlen' supports neither softcap, sinks nor fp8 caches")
         out = _varlen_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                 scale, max_len, window)
     else:
         out = gather_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
                                      block_table, slot_mapping, scale, num_decodes,
                                      decode_query_len, num_kv_blocks, window, softcap, sinks)
-    return out.contiguous()  # the layout the fake implementation promises
+    return _scaled(out, v_scale).contiguous()  # the layout the fake implementation promises
+
+
+def _scaled(out: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """`out` times an fp8 cache's V scale (as is for 1)."""
+    return out if v_scale == 1.0 else out * v_scale
 
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      num_decodes, decode_query_len, kv_bounds, window, softcap, sinks, kernel):
+      num_decodes, decode_query_len, kv_bounds, window, softcap, sinks, kernel, k_scale=1.0,
+      v_scale=1.0):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 
@@ -153,7 +166,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                       kv_bounds: torch.Tensor, shared_rows: torch.Tensor, shared_prefix: int,
                       window: int, softcap: float, sinks: torch.Tensor | None,
-                      kernel: str) -> torch.Tensor:
+                      kernel: str, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """`paged_attention` with a prefix that a group of rows shares, read once per KV head.
 
     The rows with ``shared_rows[r] = 1`` hold the same first ``shared_prefix / block_size``
@@ -180,12 +193,13 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"the block size {bs}")
     num_kv_blocks, max_len = _read_bounds(kv_bounds)
     if resolve_kernel(kernel, q.device) != "triton":
-        return cascade_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                       block_table, slot_mapping, scale, num_kv_blocks,
-                                       shared_rows, shared_prefix, window, softcap,
-                                       sinks).contiguous()
-    return _triton_cascade(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
-                           max_len, shared_rows, shared_prefix, window, softcap, sinks)
+        return _scaled(cascade_paged_attention(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
+            scale * k_scale, num_kv_blocks, shared_rows, shared_prefix, window, softcap, sinks),
+            v_scale).contiguous()
+    return _scaled(_triton_cascade(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                   scale * k_scale, max_len, shared_rows, shared_prefix, window,
+                                   softcap, sinks), v_scale)
 
 
 def _triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -219,13 +233,15 @@ def _triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @cascade_attention.register_fake
 def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      kv_bounds, shared_rows, shared_prefix, window, softcap, sinks, kernel):
+      kv_bounds, shared_rows, shared_prefix, window, softcap, sinks, kernel, k_scale=1.0,
+      v_scale=1.0):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 
 @torch.library.custom_op("graphattn::write_kv", mutates_args=("k_cache", "v_cache"))
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, kernel: str) -> None:
+             slot_mapping: torch.Tensor, kernel: str, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
     """Write token t's K/V into slot ``slot_mapping[t]`` of the caches, in place.
 
     Parameters
@@ -235,16 +251,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot_mapping : int64 [>= T]; -1 (padded token): the sink (torch) or no write (triton).
     kernel : str
         "triton" on CUDA writes K and V in one launch; otherwise index_copy_.
+    k_scale, v_scale : float
+        An fp8 cache stores K / k_scale and V / v_scale (clamped to its range).
     """
     if resolve_kernel(kernel, k.device) != "triton":
-        write_to_cache(k_cache, slot_mapping, k)
-        write_to_cache(v_cache, slot_mapping, v)
+        write_to_cache(k_cache, slot_mapping, k, k_scale)
+        write_to_cache(v_cache, slot_mapping, v, v_scale)
         return
-    launch_write_kv(k, v, k_cache, v_cache, slot_mapping)
+    launch_write_kv(to_cache_values(k, k_cache.dtype, k_scale),
+                    to_cache_values(v, v_cache.dtype, v_scale), k_cache, v_cache, slot_mapping)
 
 
 @write_kv.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, kernel):
+def _(k, v, k_cache, v_cache, slot_mapping, kernel, k_scale=1.0, v_scale=1.0):
     return None
 
 
@@ -264,7 +283,8 @@ def _check_qkv(qkv: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
 @torch.library.custom_op("graphattn::rope_write_kv", mutates_args=("k_cache", "v_cache"))
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, kernel: str) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int, kernel: str, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """Rotary embedding of q and k from a fused qkv projection, K/V written to the caches.
 
     One launch on CUDA (Triton) instead of a rotation, a q copy, a k/v copy and the write.
@@ -283,6 +303,8 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     kernel : str
         "triton" on CUDA runs the fused kernel; otherwise the plain-torch rope and
         index_copy_.
+    k_scale, v_scale : float
+        As in `write_kv` (an fp8 cache: the rotation in torch, then `write_kv`).
 
     Returns
     -------
@@ -290,12 +312,12 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         [T, H, D] rotated queries, contiguous, in qkv's dtype.
     """
     t, d = qkv.shape[0], _check_qkv(qkv, inv_freq, num_heads, num_kv_heads)
-    if resolve_kernel(kernel, qkv.device) != "triton":
+    kind = resolve_kernel(kernel, qkv.device)
+    if kind != "triton" or is_fp8(k_cache.dtype):
         qk = apply_rope(qkv[:, : (num_heads + num_kv_heads) * d].view(t, -1, d),
                         *cos_sin(positions, inv_freq))
-        write_to_cache(k_cache, slot_mapping, qk[:, num_heads:])
-        write_to_cache(v_cache, slot_mapping, qkv[:, (num_heads + num_kv_heads) * d:]
-                       .view(t, num_kv_heads, d))
+        write_kv(qk[:, num_heads:], qkv[:, (num_heads + num_kv_heads) * d:].view(
+            t, num_kv_heads, d), k_cache, v_cache, slot_mapping, kind, k_scale, v_scale)
         return qk[:, :num_heads].contiguous()
     return launch_rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping,
                                 num_heads, num_kv_heads)
@@ -303,7 +325,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 
 @rope_write_kv.register_fake
 def _(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-      kernel):
+      kernel, k_scale=1.0, v_scale=1.0):
     return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])
 
 
@@ -313,7 +335,8 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                       num_heads: int, num_kv_heads: int, kv_bounds: torch.Tensor, window: int,
-                      softcap: float, sinks: torch.Tensor | None, kernel: str) -> torch.Tensor:
+                      softcap: float, sinks: torch.Tensor | None, kernel: str,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """`rope_write_kv` then `paged_attention` for a batch of one-token decode rows.
 
     On CUDA (Triton; a power-of-two head_dim >= 16 for K and V) one launch (plus the split
@@ -333,8 +356,8 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     block_table : int32 [rows, max_blocks]; slot_mapping : int64 [>= T] (-1: padded token)
     scale : float
     num_heads, num_kv_heads : int
-    kv_bounds, window, softcap, sinks, kernel
-        As in `paged_attention`.
+    kv_bounds, window, softcap, sinks, kernel, k_scale, v_scale
+        As in `paged_attention` (an fp8 cache runs the two ops).
 
     Returns
     -------
@@ -346,7 +369,8 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     if t < rows:
         raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
     max_len = _read_bounds(kv_bounds)[1]
-    if resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache):
+    if (resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache)
+            and not is_fp8(k_cache.dtype)):
         check_contiguous_caches("rope_paged_decode", k_cache, v_cache)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
@@ -355,13 +379,14 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
                                  scale, 1, max_len, window, softcap, sinks,
                                  rope=(positions, inv_freq, slot_mapping))
     q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
-                      num_kv_heads, kernel)
+                      num_kv_heads, kernel, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                            slot_mapping, scale, rows, 1, kv_bounds, window, softcap, sinks,
-                           kernel)
+                           kernel, k_scale, v_scale)
 
 
 @rope_paged_decode.register_fake
 def _(qkv, positions, inv_freq, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-      slot_mapping, scale, num_heads, num_kv_heads, kv_bounds, window, softcap, sinks, kernel):
+      slot_mapping, scale, num_heads, num_kv_heads, kv_bounds, window, softcap, sinks, kernel,
+      k_scale=1.0, v_scale=1.0):
     return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])

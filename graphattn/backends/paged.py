@@ -192,12 +192,17 @@ class PagedAttentionImpl:
         ``torch.ops.graphattn.rope_paged_decode`` (rotation, K/V write and attention in one
         launch) or `rope_write_kv` then attention, as for every other batch. None: where it
         pays (`graphattn.backends.launch_config.fuse_rope_decode`).
+    k_scale, v_scale : float
+        Per-tensor scales of an fp8 KV cache (``float8_e4m3fn``: it stores K / k_scale and
+        V / v_scale, clamped to +-448, and the kernels dequantize in registers); 1 for a
+        cache in the model's dtype.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0,
                  sinks: torch.Tensor | None = None, kernel: str = "auto",
-                 fuse_rope: bool | None = None) -> None:
+                 fuse_rope: bool | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads or num_heads
@@ -215,6 +220,9 @@ class PagedAttentionImpl:
         self.sinks = sinks
         self.kernel = kernel
         self.fuse_rope = fuse_rope
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"k_scale = {k_scale} and v_scale = {v_scale} must be > 0")
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -234,9 +242,14 @@ class PagedAttentionImpl:
             [T, H, D]; padded tokens give 0.
         """
         k_cache, v_cache = kv_cache
-        torch.ops.graphattn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kernel)
+        torch.ops.graphattn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kernel,
+                                     self.k_scale, self.v_scale)
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: PagedAttentionMetadata) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
-                               self.sinks, self.kernel)
+                               self.sinks, self.kernel, self.k_scale, self.v_scale)
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -272,26 +285,27 @@ class PagedAttentionImpl:
                 qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc,
                 meta.seq_lens, meta.block_table, meta.slot_mapping, self.scale, self.num_heads,
                 self.num_kv_heads, meta.kv_bounds, self.window, self.softcap, self.sinks,
-                self.kernel)
+                self.kernel, self.k_scale, self.v_scale)
         q = torch.ops.graphattn.rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache,
                                               meta.slot_mapping, self.num_heads,
-                                              self.num_kv_heads, self.kernel)
-        return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
-                               self.sinks, self.kernel)
+                                              self.num_kv_heads, self.kernel, self.k_scale,
+                                              self.v_scale)
+        return self._attend(q, k_cache, v_cache, meta)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float, window: int = 0,
                     softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                    kernel: str = "auto") -> torch.Tensor:
+                    kernel: str = "auto", k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Attention over what the cache holds (``torch.ops.graphattn.paged_attention`` of `meta`,
     or ``cascade_attention`` when it has a shared prefix)."""
     if meta.shared_prefix:
         return torch.ops.graphattn.cascade_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
             meta.slot_mapping, scale, meta.kv_bounds, meta.shared_rows, meta.shared_prefix,
-            window, softcap, sinks, kernel)
+            window, softcap, sinks, kernel, k_scale, v_scale)
     return torch.ops.graphattn.paged_attention(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
         meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.kv_bounds,
-        window, softcap, sinks, kernel)
+        window, softcap, sinks, kernel, k_scale, v_scale)

@@ -11,7 +11,10 @@ import torch
 from einops import rearrange
 
 __all__ = [
+    "FP8_MAX",
     "allocate_kv_cache",
+    "is_fp8",
+    "to_cache_values",
     "cascade_paged_attention",
     "shared_prefix_bounds",
     "cache_slots",
@@ -44,8 +47,41 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
                        device=device)
 
 
-def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``values[i]`` to slot ``slot_mapping[i]``; slot -1 goes to the sink.
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """An 8-bit float KV-cache dtype (float8_e4m3fn: values stored as value / scale)."""
+    return dtype == torch.float8_e4m3fn
+
+
+def cache_dtype(kv_cache_dtype: torch.dtype | str | None, model_dtype: torch.dtype,
+                ) -> torch.dtype:
+    """The KV-cache dtype of an `allocate_caches(..., kv_cache_dtype)`: the model's for None,
+    float8_e4m3fn for "fp8_e4m3" (or "fp8", or the dtype itself), else as given."""
+    if kv_cache_dtype is None:
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if not isinstance(kv_cache_dtype, torch.dtype) or not (
+            kv_cache_dtype.is_floating_point):
+        raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r}, expected None, 'fp8_e4m3' or a "
+                         "floating torch dtype")
+    return kv_cache_dtype
+
+
+def to_cache_values(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """`values` as a cache of `dtype` stores them: for an fp8 cache value / scale, clamped
+    to the finite range (the scale's dequantization is the reader's); otherwise as given."""
+    if not is_fp8(dtype):
+        return values
+    return (values.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor,
+                   scale: float = 1.0) -> None:
+    """Write ``values[i]`` to slot ``slot_mapping[i]``; slot -1 goes to the sink; an fp8
+    cache stores ``values / scale`` (`to_cache_values`).
 
     Parameters
     ----------
@@ -63,7 +99,10 @@ def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
     slots = slot_mapping[:n]
     sink = flat.shape[0] - 1
     idx = torch.where(slots >= 0, slots, torch.full_like(slots, sink))
-    flat.index_copy_(0, idx, values.to(flat.dtype))
+    vals = to_cache_values(values, flat.dtype, scale).to(flat.dtype)
+    if is_fp8(flat.dtype):  # CPU index_copy_ has no fp8 kernel: copy the bytes
+        flat, vals = flat.view(torch.uint8), vals.view(torch.uint8)
+    flat.index_copy_(0, idx, vals)
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -77,7 +116,7 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int
     """
     if not 1 <= num_blocks <= block_table.shape[1]:
         raise ValueError(f"num_blocks = {num_blocks}, expected in [1, {block_table.shape[1]}]")
-    return cache[block_table[:, :num_blocks].long()].flatten(1, 2)
+    return _take(cache, block_table[:, :num_blocks].long()).flatten(1, 2)
 
 
 def gather_positions(cache: torch.Tensor, block_table: torch.Tensor,
@@ -98,7 +137,15 @@ def gather_positions(cache: torch.Tensor, block_table: torch.Tensor,
     torch.Tensor
         [rows, W, heads, dim].
     """
-    return cache.view(-1, *cache.shape[2:])[cache_slots(block_table, positions, cache.shape[1])]
+    return _take(cache.view(-1, *cache.shape[2:]),
+                 cache_slots(block_table, positions, cache.shape[1]))
+
+
+def _take(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]``, through a byte view for fp8 caches (no fp8 gather on every device)."""
+    if is_fp8(cache.dtype):
+        return cache.view(torch.uint8)[index].view(cache.dtype)
+    return cache[index]
 
 
 def cache_slots(block_table: torch.Tensor, positions: torch.Tensor,

@@ -204,7 +204,7 @@ def unified_attention_kernel(
         kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
                      + kvh * stride_kh + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _log2_logits(tl.dot(qv, kt), scale, softcap, USE_SOFTCAP)
+        s = _log2_logits(tl.dot(qv, kt.to(qv.dtype)), scale, softcap, USE_SOFTCAP)
         vis = m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if USE_WINDOW:
             vis = vis & (offs_n[None, :] > pos[:, None] - window)
@@ -217,7 +217,7 @@ def unified_attention_kernel(
         vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs
                      + kvh * stride_vh + offs_dv[None, :],
                      mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vv.to(qv.dtype))
         m_i = m_new
 
     # m_i, l_i are in log2 units from here on
@@ -292,7 +292,7 @@ def shared_prefix_kernel(
         kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
                      + kvh * stride_kh + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _log2_logits(tl.dot(qv, kt), scale, softcap, USE_SOFTCAP)
+        s = _log2_logits(tl.dot(qv, kt.to(qv.dtype)), scale, softcap, USE_SOFTCAP)
         vis = (m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] < hi[:, None])
                & (offs_n[None, :] >= lo[:, None]))
         s = tl.where(vis, s, float("-inf"))
@@ -304,7 +304,7 @@ def shared_prefix_kernel(
         vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs
                      + kvh * stride_vh + offs_dv[None, :],
                      mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vv.to(qv.dtype))
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
-from graphattn.backends.reference import allocate_kv_cache
+from graphattn.backends.reference import allocate_kv_cache, cache_dtype, is_fp8
 from graphattn.models.hf_mla import LatentAttention, mla_layout
 
 __all__ = ["ATTN_NAME", "CHECKED", "SUPPORTED", "SWEPT", "HFCausalLM", "check_supported",
@@ -246,14 +246,21 @@ class HFCausalLM:
                                                   softcap=key[2], sinks=sinks)
         return self._impls[key]
 
-    def allocate_caches(self, num_blocks: int, block_size: int) -> None:
+    def allocate_caches(self, num_blocks: int, block_size: int,
+                        kv_cache_dtype: torch.dtype | str | None = None) -> None:
+        """Paged caches of `num_blocks` (+ the sink) per layer, in the model's dtype or
+        `kv_cache_dtype` ("fp8_e4m3", scales 1: the paged backend only)."""
         p = next(self.model.parameters())
+        if kv_cache_dtype is not None and self.latent is not None:
+            raise ValueError(f"kv_cache_dtype = {kv_cache_dtype}: the latent (MLA) cache of "
+                             f"{type(self.model).__name__} takes the model's dtype only")
         if self.latent is not None:
             self.caches = self.latent.allocate(self.num_layers, num_blocks, block_size,
                                                p.dtype, p.device)
             return
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, self.num_kv_heads,
-                                               self.head_dim, p.dtype, p.device)
+                                               self.head_dim,
+                                               cache_dtype(kv_cache_dtype, p.dtype), p.device)
                              for _ in range(2)) for _ in range(self.num_layers)]
 
     def __call__(self, inputs: dict[str, torch.Tensor],
@@ -262,7 +269,7 @@ class HFCausalLM:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         _check_inference(self.model)
         first = self.caches[0] if self.latent is not None else self.caches[0][0]
-        if first.dtype != self.model.dtype:
+        if first.dtype != self.model.dtype and not is_fp8(first.dtype):
             raise ValueError(f"KV caches are {first.dtype} but the model is now "
                              f"{self.model.dtype}: call allocate_caches after casting the model")
         cfg = self.model.config

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
-from graphattn.backends.reference import allocate_kv_cache
+from graphattn.backends.reference import allocate_kv_cache, cache_dtype
 from graphattn.backends.rope import apply_rope, cos_sin, inv_frequencies, rope, rope_cos_sin
 
 __all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]
@@ -162,12 +162,16 @@ class TinyDecoder(nn.Module):
             getattr(self, name).load_state_dict(getattr(full, name).state_dict())
         return self
 
-    def allocate_caches(self, num_blocks: int, block_size: int) -> None:
+    def allocate_caches(self, num_blocks: int, block_size: int,
+                        kv_cache_dtype: torch.dtype | str | None = None) -> None:
+        """Paged K/V caches of `num_blocks` (+ the sink) per layer, in the model's dtype or
+        `kv_cache_dtype` ("fp8_e4m3": an fp8 cache with the impl's scales)."""
         p = next(self.parameters())
         c = self.cfg
         self.inv_freq = inv_frequencies(c.head_dim, c.rope_theta, p.device)
+        dtype = cache_dtype(kv_cache_dtype, p.dtype)
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, c.local_kv_heads,
-                                               c.head_dim, p.dtype, p.device) for _ in range(2))
+                                               c.head_dim, dtype, p.device) for _ in range(2))
                        for _ in range(c.num_layers)]
 
     def forward(self, inputs: dict[str, torch.Tensor],

@@ -10,7 +10,11 @@ from graphattn.backends import launch_config, triton_launch
 from graphattn.backends.launch_config import TritonConfig, resolve_kernel, split_plan
 from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
-from graphattn.backends.reference import allocate_kv_cache, gather_paged_attention
+from graphattn.backends.reference import (
+    allocate_kv_cache,
+    gather_paged_attention,
+    to_cache_values,
+)
 from graphattn.backends.triton_launch import triton_attention
 from graphattn.sync import no_host_sync
 from tests.graphattn.backends.harness import Scenario, dense_attention
@@ -25,16 +29,20 @@ FEATURES = {"plain": {}, "window": {"window": 5}, "softcap": {"softcap": 2.0},
 
 
 def run_steps(name, features, device, kernel, dtype, heads=(4, 2), d=16, steps=12, tol=1e-9,
-              block_size=8, max_len=128):
+              block_size=8, max_len=128, cache_dtype=None, scales=(1.0, 1.0)):
+    """`cache_dtype` torch.float8_e4m3fn: an fp8 cache with (k_scale, v_scale) `scales`,
+    checked against the reference of what it holds (dequantized)."""
     h, hkv = heads
+    cache_dtype = cache_dtype or dtype
     sc = Scenario(CFGS[name], seed=7, max_model_len=max_len, block_size=block_size,
                   device=device)
     feats = dict(features)
     if feats.pop("sinks", False):
         feats["sinks"] = (torch.randn(h, dtype=torch.float64) * 2).to(device, dtype)
-    impl = PagedAttentionImpl(h, d, hkv, kernel=kernel, **feats)
+    impl = PagedAttentionImpl(h, d, hkv, kernel=kernel, k_scale=scales[0], v_scale=scales[1],
+                              **feats)
     builder = PagedAttentionBuilder(block_size, CFGS[name].num_spec_tokens + 1)
-    caches = tuple(allocate_kv_cache(sc.num_blocks, block_size, hkv, d, dtype, device)
+    caches = tuple(allocate_kv_cache(sc.num_blocks, block_size, hkv, d, cache_dtype, device)
                    for _ in range(2))
     for _ in range(steps):
         s, batch, common = sc.next_batch(1, 3)
@@ -44,8 +52,10 @@ def run_steps(name, features, device, kernel, dtype, heads=(4, 2), d=16, steps=1
         with no_host_sync():
             out = impl.forward(*dev, caches, builder.build(common))
         n = s.total_num_scheduled_tokens
-        # the reference sees what the cache holds (rounded to its dtype)
-        sc.record(s, batch, torch.stack([k[:n], v[:n]], 1).to(dtype).double())
+        # the reference sees what the cache holds (rounded to its dtype, dequantized)
+        held = [to_cache_values(x[:n].to(dtype), cache_dtype, sc_).to(cache_dtype).double()
+                * sc_ for x, sc_ in ((k, scales[0]), (v, scales[1]))]
+        sc.record(s, batch, torch.stack(held, 1))
         _, slots, pos = sc.token_views(s, batch)
         got = out.double().cpu()
         for i in range(n):
@@ -55,6 +65,37 @@ def run_steps(name, features, device, kernel, dtype, heads=(4, 2), d=16, steps=1
             torch.testing.assert_close(got[i], ref, rtol=tol, atol=tol)
         assert got[n:].abs().sum().item() == 0.0  # padded tokens
         sc.finish(s)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("name", sorted(CFGS))
+@pytest.mark.parametrize("feature", ["plain", "sinks"])
+def test_torch_kernel_reads_an_fp8_cache_with_its_scales(name, feature):
+    """K stored as K / 0.5 and V as V / 2 in float8_e4m3fn: attention equals the dense
+    reference over the dequantized cache."""
+    run_steps(name, FEATURES[feature], "cpu", "torch", torch.float32, steps=6, tol=1e-5,
+              cache_dtype=FP8, scales=(0.5, 2.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_triton_kernel_reads_an_fp8_cache_with_its_scales(name, dtype):
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    run_steps(name, {}, "cuda", "triton", dtype, heads=(8, 2), d=64, tol=tol,
+              cache_dtype=FP8, scales=(0.5, 2.0))
+
+
+def test_fp8_writes_clamp_to_the_finite_range():
+    cache = allocate_kv_cache(2, 4, 1, 2, FP8, "cpu")
+    k = torch.tensor([[[1000.0, -3.0]], [[0.5, 600.0]]])
+    torch.ops.graphattn.write_kv(k, k, cache, cache.clone(), torch.tensor([0, 5]), "torch",
+                                 2.0, 1.0)
+    flat = cache.view(-1, 2).float()
+    assert flat[0].tolist() == [448.0, -1.5]
+    assert flat[5].tolist() == [0.25, 288.0]  # 300 rounds to e4m3's 288 (steps of 32 there)
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))

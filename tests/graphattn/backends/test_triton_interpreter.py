@@ -90,6 +90,9 @@ def main() -> None:
             assert out[rows:].abs().sum().item() == 0
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
+    for name in ("mixed", "decode"):  # an fp8 cache, dequantized in registers
+        t.run_steps(name, {}, "cpu", "triton", torch.float32, steps=3, tol=1e-4,
+                    cache_dtype=torch.float8_e4m3fn, scales=(0.5, 2.0))
     t.check_far_rotation("cpu")
     for spec, budget, pad in ((0, 400, (0, 0)), (2, 150, (2, 3))):  # one-slot pages
         ts.run_sparse(spec, budget, pad, "cpu", "triton", torch.float32, tol=1e-4)

@@ -102,3 +102,12 @@ def test_deepseek_under_cuda_graphs_with_no_host_sync(variant):
     ref = build(variant, "cuda")
     prompts, got = serve(ref, "cuda", debug_sync=True)
     assert got == expected(ref, prompts, "cuda")
+
+
+def test_latent_cache_refuses_fp8():
+    from graphattn.models.hf import HFCausalLM
+
+    hf = HFCausalLM(build("v2"))
+    with pytest.raises(ValueError, match="latent .MLA. cache of DeepseekV2ForCausalLM takes "
+                                         "the model's dtype only"):
+        hf.allocate_caches(8, 8, "fp8_e4m3")
