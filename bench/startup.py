@@ -1,6 +1,7 @@
 """Startup: capture seconds and graph-pool MiB per key, with the LM head only at the rows that
 are sampled ("used", the default) or at every token ("all", a forward that ignores
-logits_indices), beside the model's eager first step.
+logits_indices), beside the model's eager first step and the pool that
+`GraphRunner.estimate_graph_memory` predicted before capture (and the seconds it took).
 
 Eager-model graphs of the tiny and 1B shapes (`bench.setup.MODELS`), and of a transformers
 Llama of the 1B shape through `HFCausalLM` ("hf-1b"); keys: uniform decodes of every default
@@ -58,6 +59,9 @@ def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tu
                           length_boundaries=(max_len,), mixed_token_sizes=mixed)
     names = None if logits == "used" else ("input_ids", "positions")
     runner = GraphRunner(forward, st, RunnerConfig(policy=policy, static_input_names=names))
+    t0 = time.perf_counter()
+    estimate = runner.estimate_graph_memory().total_bytes
+    estimate_s = time.perf_counter() - t0
     report = runner.capture(progress=True)
     keys = report.keys
     rows = [{"key": str(k), "seconds": t, "pool_mib": b / 2**20} for k, t, b in zip(
@@ -70,7 +74,8 @@ def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tu
     runner.step(sched, force_eager=True).sampled_host.wait()
     eager_s = time.perf_counter() - t0
     return {"logits": logits, "keys": len(keys), "capture_s": report.seconds,
-            "pool_mib": report.pool_bytes / 2**20, "eager_first_step_s": eager_s, "per_key": rows}
+            "pool_mib": report.pool_bytes / 2**20, "estimate_mib": estimate / 2**20,
+            "estimate_s": estimate_s, "eager_first_step_s": eager_s, "per_key": rows}
 
 
 def main() -> None:
@@ -95,7 +100,8 @@ def main() -> None:
             r = measure(forward, args.device, args.max_reqs, args.max_len, mixed, logits)
             results.append({"model": name, "forward": kind, "max_reqs": args.max_reqs, **r})
             print(f"{name:6s} {logits:4s} rows: {r['keys']} keys in {r['capture_s']:.2f} s, "
-                  f"pool {r['pool_mib']:.0f} MiB; eager first step {r['eager_first_step_s']:.3f} s")
+                  f"pool {r['pool_mib']:.0f} MiB (estimated {r['estimate_mib']:.0f}); eager "
+                  f"first step {r['eager_first_step_s']:.3f} s")
             forward.caches = []
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -325,7 +325,8 @@ def _check_proposed(proposer: DraftProposer, drafts: Any, want: tuple[int, int],
                     device: torch.device) -> None:
     """ValueError unless a proposer's drafts are an integer tensor of `want` on `device`."""
     if not (is_integer_tensor(drafts) and tuple(drafts.shape) == want
-            and drafts.device == device):
+            and drafts.device.type == device.type
+            and device.index in (None, drafts.device.index)):
         got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}"
                if isinstance(drafts, torch.Tensor) else type(drafts).__name__)
         raise ValueError(f"{type(proposer).__name__}.propose returned {got}, expected an "

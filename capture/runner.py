@@ -433,10 +433,14 @@ class GraphRunner:
         if key is None and not sched.num_reqs:  # nothing to run, no key to run it padded
             outs, mode, current = self._no_outputs(), CUDAGraphMode.NONE, None
         else:
-            outs, mode, current = self._launch(sched, shape, key, plan)
-            if (self.config.lazy_capture and mode is CUDAGraphMode.NONE and key is not None
+            lazy = (self.config.lazy_capture and key is not None and key not in self.graphs
                     and not self.dispatcher.is_piecewise(key)
-                    and key not in self.graphs.over_budget):
+                    and key not in self.graphs.over_budget)
+            # a lazy key's first step may compile (inductor syncs while compiling): it and
+            # the capture after it are the key's one-time start, outside no_host_sync()
+            with host_sync_allowed() if lazy else contextlib.nullcontext():
+                outs, mode, current = self._launch(sched, shape, key, plan)
+            if lazy:
                 self._capture_lazily(key)
         with prof.range("postprocess"):
             out = self._outputs.of_step(st, sched, outs, key, mode, current,

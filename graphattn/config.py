@@ -127,9 +127,10 @@ class RunnerConfig:
         ``cfg.vocab_size`` / ``config.vocab_size``).
     lazy_capture : bool
         Capture a full key the first time a step needs it instead of all at `capture()`:
-        that step runs eagerly at the key's padded shapes, then the key is captured before
-        step() returns (one host sync, between steps; logged, and kept in
-        ``GraphRunner.lazy_report``). Needs on_missing="eager".
+        that step runs eagerly at the key's padded shapes (compiling it, when compiled), then
+        the key is captured before step() returns (logged, and kept in
+        ``GraphRunner.lazy_report``). That first step and capture may sync (once per key,
+        allowed inside no_host_sync()). Needs on_missing="eager".
     graph_memory_limit : int, optional
         Bytes of graph pool after which no new key is captured (by `capture()` or lazily):
         those keys run eagerly at their padded shapes and are listed in the report's

@@ -179,6 +179,29 @@ def test_dummy_runs_between_steps_change_nothing():
     assert got == want and accepted == drafted
 
 
+def test_steps_padded_to_a_larger_agreed_key_keep_every_draft():
+    """Data parallel: every step runs padded to the largest key its ranks agreed on (here
+    2 rows for 1 live request); the drafter's padded rows draft into the spare row."""
+    prompt = PROMPTS[1]
+    want = plain_greedy([prompt], 20)[0]
+    st, runner = make("target")
+    a = runner.add_request("a", prompt)
+    keys = runner.dispatcher.all_keys()
+    mixed = next(k for k in keys if not k.uniform_decode)
+    decode = next(k for k in keys if k.uniform_decode and k.num_reqs_padded == 2)
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([len(prompt)])), key=mixed)
+    got, accepted, drafted = [int(out.sampled[0])], 0, 0
+    while len(got) < 20:
+        with no_host_sync():
+            out = runner.step(SchedulerOutput(np.array([a]), np.array([K + 1]), np.array([K])),
+                              key=decode)
+        row = out.emitted_host.wait()[0]
+        got += row[row >= 0].tolist()
+        accepted, drafted = accepted + int((row >= 0).sum()) - 1, drafted + K
+        runner.apply_feedback(out)
+    assert got[:20] == want and accepted == drafted and out.replayed
+
+
 def test_resumed_request_keeps_drafting_from_its_kept_blocks():
     """Preempted after some tokens and resumed with its first 16 tokens kept (prompt +
     generated as the new prompt): the draft cache of those blocks is still right."""

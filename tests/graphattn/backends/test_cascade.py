@@ -74,12 +74,13 @@ def run_cascade(device, dtype, kernel, feature, shared_prefix=8, q_len=2):
     sinks = torch.randn(h, generator=torch.Generator().manual_seed(3)) if f.get(
         "sinks") else None
     window, softcap, scale = f.get("window", 0), f.get("softcap", 0.0), 0.3
+    dev_sinks = None if sinks is None else sinks.to(device, dtype)
     with no_host_sync():
         out = torch.ops.graphattn.cascade_attention(
             tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["query_start_loc"],
             tensors["seq_lens"], tensors["block_table"], tensors["slot_mapping"], scale,
             kv_bounds(6, 24), tensors["shared_rows"], shared_prefix, window, softcap,
-            None if sinks is None else sinks.to(device, dtype), kernel)
+            dev_sinks, kernel)
     want = dense_reference(*ref_in, window, softcap, sinks, scale)
     return out, want
 
@@ -96,7 +97,8 @@ def test_torch_cascade_matches_float64_dense(feature, shared_prefix):
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_triton_cascade_matches_float64_dense(feature, q_len):
     out, want = run_cascade("cuda", torch.float32, "triton", feature, 8, q_len)
-    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-4, atol=2e-4)
+    # float32 dots run in TF32 on tensor cores (as in test_ops' float32 rows)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=3e-3, atol=3e-3)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

@@ -83,7 +83,7 @@ def test_torch_kernel_reads_an_fp8_cache_with_its_scales(name, feature):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(CFGS))
 def test_triton_kernel_reads_an_fp8_cache_with_its_scales(name, dtype):
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3  # float32: TF32 dots
     run_steps(name, {}, "cuda", "triton", dtype, heads=(8, 2), d=64, tol=tol,
               cache_dtype=FP8, scales=(0.5, 2.0))
 
