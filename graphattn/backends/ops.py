@@ -119,18 +119,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernel : str
         See the module docstring.
     k_scale, v_scale : float
-        Dequantization scales of an fp8 cache (stored value x scale = K or V; 1 otherwise):
-        K's folds into the softmax scale, V's multiplies the output.
+        An fp8 cache's scales (stored x scale = K or V): K's folds into `scale`, V's
+        multiplies the output.
 
     Returns
     -------
     torch.Tensor
         [T, H, Dv] in q's dtype; 0 for padded tokens.
     """
-    kind = resolve_kernel(kernel, q.device)
-    rows = block_table.shape[0]
+    kind, rows, scale = resolve_kernel(kernel, q.device), block_table.shape[0], scale * k_scale
     num_kv_blocks, max_len = _read_bounds(kv_bounds)
-    scale = scale * k_scale
     if kind == "triton":
         uniform = decode_query_len if num_decodes == rows and rows else 0
         return _scaled(triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
