@@ -71,6 +71,32 @@ def _rotate(x1, x2, c, s, dtype: tl.constexpr):
 
 
 @triton.jit
+def _tile_logits(qv, k_cache, page, slot, k_head, stride_kb, stride_ks, offs_d, n_ok, d_ok,
+                 scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """Logits (log2 units) of the queries `qv` against one tile of keys read through `page`
+    and `slot` (the key dtype converted to the queries': an fp8 cache dequantized here)."""
+    kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks + k_head
+                 + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    return _log2_logits(tl.dot(qv, kt.to(qv.dtype)), scale, softcap, USE_SOFTCAP)
+
+
+@triton.jit
+def _online_softmax_tile(s, m_i, l_i, acc, qv, v_cache, page, slot, v_head, stride_vb,
+                         stride_vs, offs_dv, n_ok, dv_ok):
+    """One tile of the online softmax: masked logits `s` update the running max `m_i`, sum
+    `l_i` and output `acc` with the tile's values; returns the three."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs + v_head
+                 + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vv.to(qv.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
 def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
@@ -201,24 +227,14 @@ def unified_attention_kernel(
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)
         page = tl.load(block_table + row * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = offs_n % PAGE
-        kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
-                     + kvh * stride_kh + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _log2_logits(tl.dot(qv, kt.to(qv.dtype)), scale, softcap, USE_SOFTCAP)
+        s = _tile_logits(qv, k_cache, page, slot, kvh * stride_kh, stride_kb, stride_ks,
+                         offs_d, n_ok, d_ok, scale, softcap, USE_SOFTCAP)
         vis = m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if USE_WINDOW:
             vis = vis & (offs_n[None, :] > pos[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                     + kvh * stride_vh + offs_dv[None, :],
-                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vv.to(qv.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(
+            tl.where(vis, s, float("-inf")), m_i, l_i, acc, qv, v_cache, page, slot,
+            kvh * stride_vh, stride_vb, stride_vs, offs_dv, n_ok, dv_ok)
 
     # m_i, l_i are in log2 units from here on
     if not SPLIT:
@@ -289,23 +305,13 @@ def shared_prefix_kernel(
         n_ok = offs_n < stop
         page = tl.load(prefix_table + offs_n // PAGE, mask=n_ok, other=0)
         slot = offs_n % PAGE
-        kt = tl.load(k_cache + page[None, :] * stride_kb + slot[None, :] * stride_ks
-                     + kvh * stride_kh + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _log2_logits(tl.dot(qv, kt.to(qv.dtype)), scale, softcap, USE_SOFTCAP)
+        s = _tile_logits(qv, k_cache, page, slot, kvh * stride_kh, stride_kb, stride_ks,
+                         offs_d, n_ok, d_ok, scale, softcap, USE_SOFTCAP)
         vis = (m_ok[:, None] & n_ok[None, :] & (offs_n[None, :] < hi[:, None])
                & (offs_n[None, :] >= lo[:, None]))
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                     + kvh * stride_vh + offs_dv[None, :],
-                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vv.to(qv.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(
+            tl.where(vis, s, float("-inf")), m_i, l_i, acc, qv, v_cache, page, slot,
+            kvh * stride_vh, stride_vb, stride_vs, offs_dv, n_ok, dv_ok)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
     base = (split * num_tokens + tok) * num_heads + head
