@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 from graphattn.backends.triton_kernels import (
     merge_splits_kernel,
     rope_write_kv_kernel,
+    shared_prefix_kernel,
     unified_attention_kernel,
     write_kv_kernel,
 )
@@ -37,8 +38,10 @@ POINTERS = {
     "q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_table": "*i32",
     "seq_lens": "*i32", "query_start_loc": "*i32", "sinks": "*fp32", "k": "*bf16",
     "v": "*bf16", "slot_mapping": "*i64", "qkv": "*bf16", "positions": "*i64",
-    "inv_freq": "*fp32", "q_out": "*bf16",
+    "inv_freq": "*fp32", "q_out": "*bf16", "kv_start": "*i32", "prefix_table": "*i32",
+    "key_hi": "*i32", "key_lo": "*i32",
 }
+FP8_CACHES = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
 FLOATS = {"scale", "softcap"}
 
 
@@ -55,8 +58,11 @@ def resources(cubin: bytes) -> str:
     return m.group(0) if m else "?"
 
 
-def build(fn, consts: dict, target: GPUTarget, **options) -> dict:
-    sig = {name: "constexpr" if name in consts else POINTERS.get(
+def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
+          **options) -> dict:
+    """Compile `fn` for `target` (`pointers` overrides POINTERS' element types)."""
+    types = {**POINTERS, **(pointers or {})}
+    sig = {name: "constexpr" if name in consts else types.get(
         name, "fp32" if name in FLOATS else "i32") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if name not in consts and (sig[name].startswith("*") or name.startswith("stride_"))}
@@ -81,7 +87,7 @@ def main() -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, WRITE_LSE=False, USE_PDL=pdl,
-                      ROPE_APPEND=False)
+                      ROPE_APPEND=False, USE_KV_START=False)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
@@ -90,10 +96,27 @@ def main() -> None:
     for rope, block_n, split in itertools.product((False, True), (64, 128), (False, True)):
         consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      WRITE_LSE=False, USE_PDL=True, ROPE_APPEND=rope)
+                      WRITE_LSE=False, USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False)
         print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split},
               build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=True))
+    for uniform, fp8 in itertools.product((False, True), repeat=2):
+        # shared-prefix attention's suffix pass (each row from its kv_start, LSE written),
+        # and reads of an fp8 cache
+        tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64) if uniform else dict(
+            BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
+        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=False, USE_SOFTCAP=False,
+                      USE_WINDOW=False, USE_SINKS=False, WRITE_LSE=True, USE_PDL=False,
+                      ROPE_APPEND=False, USE_KV_START=True)
+        print("suffix", {"UNIFORM": uniform, "fp8": fp8},
+              build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
+                    num_warps=4, num_stages=2))
+    for win, fp8 in itertools.product((False, True), repeat=2):
+        consts = dict(G=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, BLOCK_M=64,
+                      BLOCK_N=64, PAGE=16, USE_SOFTCAP=False, USE_WINDOW=win)
+        print("shared_prefix", {"USE_WINDOW": win, "fp8": fp8},
+              build(shared_prefix_kernel, consts, target, FP8_CACHES if fp8 else None,
+                    num_warps=4))
     for sinks, pdl in itertools.product((False, True), repeat=2):
         consts = dict(HEAD_DIM_V=64, DV_PAD=64, NUM_SPLITS=3, S_PAD=4, USE_SINKS=sinks,
                       WRITE_LSE=False, USE_PDL=pdl)
