@@ -15,14 +15,13 @@ K and V rounded through float8_e4m3fn, against the plain forward (last-token log
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.setup import MODELS
+from bench.setup import MODELS, result_meta
 from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
 from graphattn.demo import CHAT
 from graphattn.models.tiny import TinyDecoder
@@ -124,10 +123,7 @@ def main() -> None:
                 model.model, prompts[0])
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                "command": f"python -m bench.fp8_kv --models {args.models} --new {args.new} "
-                           f"--device {args.device}"}
+        meta = result_meta("bench.fp8_kv", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, f"fp8_kv_{args.device}.json").write_text(
             json.dumps({**meta, "rows": rows}, indent=1))

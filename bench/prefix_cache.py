@@ -16,7 +16,6 @@ prefix, and whether the tokens equal the off row's (greedy).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.setup import MODELS
+from bench.setup import MODELS, result_meta
 from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
 from graphattn.blocks import BlockManager
 from graphattn.models.tiny import TinyDecoder
@@ -122,10 +121,7 @@ def main() -> None:
         r["same_tokens_as_off"] = r.pop("tokens") == off
     print(json.dumps(rows, indent=1))
     if args.out:
-        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                "command": f"python -m bench.prefix_cache --model {args.model} --prefix "
-                           f"{args.prefix} --requests {args.requests} --new {args.new}"}
+        meta = result_meta("bench.prefix_cache", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"prefix_cache_{args.model}_{args.prefix}.json").write_text(
             json.dumps({**meta, "rows": rows}, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,3 +66,14 @@ def add_shape_options(ap: argparse.ArgumentParser, steps: bool = True) -> None:
                     help="comma-separated context lengths (tokens per request)")
     if steps:
         ap.add_argument("--steps", type=int, default=100, help="timed steps per point")
+
+
+def result_meta(module: str, args: argparse.Namespace) -> dict[str, str]:
+    """What a result file says of its run: date, torch version, device and the command that
+    repeats it (every option given but --out)."""
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                    if k != "out" and v is not None)
+    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "command": f"python -m {module} {opts}"}

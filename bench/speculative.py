@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from bench.setup import MODELS
+from bench.setup import MODELS, result_meta
 from graphattn import DraftModelProposer, GraphRunner, NgramProposer, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.models.tiny import TinyConfig, TinyDecoder
@@ -151,10 +151,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     _shares(rows)
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "command": "python -m bench.speculative " + " ".join(
-                f"--{k} {v}" for k, v in vars(args).items() if k != "out")}
+    meta = result_meta("bench.speculative", args)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "speculative.json").write_text(json.dumps({"meta": meta, "rows": rows},

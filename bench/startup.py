@@ -13,7 +13,6 @@ capture size up to `--max-reqs` and mixed keys of `--mixed` tokens, one length b
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.setup import LLAMA_1B, MODELS
+from bench.setup import LLAMA_1B, MODELS, result_meta
 from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
 from graphattn.buckets import default_capture_sizes
 from graphattn.models.tiny import TinyDecoder
@@ -107,11 +106,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         del forward
     if args.out:
-        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                "command": "python -m bench.startup " + " ".join(
-                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                    if k != "out" and v is not None)}
+        meta = result_meta("bench.startup", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "startup.json").write_text(
             json.dumps({**meta, "results": results}, indent=1))
