@@ -15,6 +15,7 @@ import torch
 from graphattn.backends import AttentionBuilder, BuilderContext
 from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors
 from graphattn.capture.drafter import StepDrafter
+from graphattn.capture.model_contract import same_device
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import is_integer_tensor
@@ -325,8 +326,7 @@ def _check_proposed(proposer: DraftProposer, drafts: Any, want: tuple[int, int],
                     device: torch.device) -> None:
     """ValueError unless a proposer's drafts are an integer tensor of `want` on `device`."""
     if not (is_integer_tensor(drafts) and tuple(drafts.shape) == want
-            and drafts.device.type == device.type
-            and device.index in (None, drafts.device.index)):
+            and same_device(drafts.device, device)):
         got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}"
                if isinstance(drafts, torch.Tensor) else type(drafts).__name__)
         raise ValueError(f"{type(proposer).__name__}.propose returned {got}, expected an "

@@ -14,7 +14,8 @@ from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.state import RequestState
 
 __all__ = ["check_backend", "check_caches", "check_prompt", "check_sampling", "check_slots",
-           "encode_request", "model_dtype", "static_input_names_of", "vocab_size_of"]
+           "encode_request", "model_dtype", "same_device", "static_input_names_of",
+           "vocab_size_of"]
 
 
 def vocab_size_of(forward: Any) -> int | None:
@@ -62,7 +63,7 @@ def check_caches(forward: Any, state: RequestState) -> None:
                 continue
             want = (state.num_kv_blocks + 1, state.block_size, state.device)
             got = (cache.shape[0], cache.shape[1], cache.device)
-            if got[0] < want[0] or got[1] != want[1] or not _same_device(got[2], want[2]):
+            if got[0] < want[0] or got[1] != want[1] or not same_device(got[2], want[2]):
                 raise ValueError(
                     f"{name}.caches[{layer}]: {got[0]} blocks (sink included) of {got[1]} "
                     f"slots on {got[2]}, expected >= {want[0]} blocks (the state's "
@@ -77,7 +78,7 @@ def check_caches(forward: Any, state: RequestState) -> None:
                                  "model)")
 
 
-def _same_device(got: torch.device, want: torch.device) -> bool:
+def same_device(got: torch.device, want: torch.device) -> bool:
     """Same type, and the same index where the state names one (cuda = the current one)."""
     if got.type != want.type:
         return False
