@@ -25,10 +25,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from graphattn.backends.registry import BuilderContext, get_backend
+from graphattn.backends.registry import BuilderContext
 from graphattn.batch import InputBatch
 from graphattn.capture.model_contract import (
-    check_backend,
+    backend_of,
     check_caches,
     check_slots,
     model_dtype,
@@ -170,9 +170,7 @@ class DraftModelProposer:
                              "its allocate_caches(num_blocks, block_size) for the target "
                              "state's blocks first")
         check_caches(self.model, state)
-        name = self.backend or next(iter(getattr(self.model, "backends", ())), "paged")
-        spec = get_backend(name)
-        check_backend(self.model, name, spec.impl_cls)
+        _, spec = backend_of(self.model, self.backend)
         self.builder = spec.make_builder(context)
         self.state, self.sampler = state, sampler
         self.names = tuple(getattr(self.model, "static_input_names", INPUT_NAMES[:2]))

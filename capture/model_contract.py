@@ -9,13 +9,14 @@ import numpy as np
 import torch
 
 from graphattn.backends.reference import is_fp8
+from graphattn.backends.registry import BackendSpec, get_backend
 from graphattn.config import INPUT_NAMES, RunnerConfig
 from graphattn.sampling import SamplingParams, SamplingTable
 from graphattn.state import RequestState
 
-__all__ = ["check_backend", "check_caches", "check_prompt", "check_sampling", "check_slots",
-           "encode_request", "model_dtype", "same_device", "static_input_names_of",
-           "vocab_size_of"]
+__all__ = ["backend_of", "check_backend", "check_caches", "check_prompt", "check_sampling",
+           "check_slots", "encode_request", "model_dtype", "same_device",
+           "static_input_names_of", "vocab_size_of"]
 
 
 def vocab_size_of(forward: Any) -> int | None:
@@ -86,6 +87,15 @@ def same_device(got: torch.device, want: torch.device) -> bool:
         return True
     index = torch.cuda.current_device() if want.index is None else want.index
     return got.index in (None, index)
+
+
+def backend_of(forward: Any, name: str | None) -> tuple[str, BackendSpec]:
+    """The backend a model runs: `name`, else the first of its ``backends``, else "paged";
+    with its registered spec, checked against the model (`check_backend`)."""
+    name = name or next(iter(getattr(forward, "backends", ())), "paged")
+    spec = get_backend(name)
+    check_backend(forward, name, spec.impl_cls)
+    return name, spec
 
 
 def check_backend(forward: Any, name: str, impl_cls: type) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphattn.backends import AttentionBuilder, BuilderContext, get_backend
+from graphattn.backends import AttentionBuilder, BuilderContext
 from graphattn.backends.registry import resolve_builder
 from graphattn.batch import BatchPlan, plan_batch
 from graphattn.buckets import BucketPolicy, PaddingStats
@@ -31,7 +31,7 @@ from graphattn.capture.graphs import (
     slice_outputs,
 )
 from graphattn.capture.model_contract import (
-    check_backend,
+    backend_of,
     check_caches,
     check_prompt,
     check_sampling,
@@ -127,9 +127,7 @@ class GraphRunner:
         check_caches(forward, state)
         self.config, self.state = config, state
         self.static_input_names = static_input_names_of(forward, config)
-        self.backend = config.backend or next(iter(getattr(forward, "backends", ())), "paged")
-        spec = get_backend(self.backend)
-        check_backend(forward, self.backend, spec.impl_cls)
+        self.backend, spec = backend_of(forward, config.backend)
         self._given_dispatcher = dispatcher is not None
         self.dispatcher = d = GraphDispatcher.for_runner(
             config, state.max_model_len, state.max_num_reqs, spec.capture_support, dispatcher)
