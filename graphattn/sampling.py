@@ -116,16 +116,7 @@ class SamplingTable:
         logprobs : float32 [n]
             log p(token) under the model's distribution (before temperature).
         """
-        x = logits.float()
-        t = self.temperature[slots]
-        greedy = t <= 0
-        scaled = x / torch.where(greedy, torch.ones_like(t), t)[:, None]
-        vals, idx = scaled.sort(-1, descending=True)
-        rank = torch.arange(x.shape[-1], device=x.device)
-        k = self.top_k[slots]
-        keep = (k[:, None] <= 0) | (rank[None] < k[:, None])
-        probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
-        keep &= (probs.cumsum(-1) - probs) < self.top_p[slots][:, None]
+        x, greedy, vals, idx, keep = self._sorted_kept(logits, slots)
         u = torch.where(self.seeded[slots][:, None],
                         hash_uniform(self.seed[slots][:, None], positions[:, None], idx),
                         torch.rand_like(vals))
@@ -134,6 +125,22 @@ class SamplingTable:
         tokens = torch.where(greedy, x.argmax(-1), drawn)
         logprobs = torch.log_softmax(x, -1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs
+
+    def _sorted_kept(self, logits: torch.Tensor, slots: torch.Tensor,
+                     ) -> tuple[torch.Tensor, ...]:
+        """(float32 logits, greedy rows, temperature-scaled logits sorted descending, their
+        token ids, the sorted entries top_k and top_p keep) of each row's slot."""
+        x = logits.float()
+        t = self.temperature[slots]
+        greedy = t <= 0
+        vals, idx = (x / torch.where(greedy, torch.ones_like(t), t)[:, None]).sort(
+            -1, descending=True)
+        rank = torch.arange(x.shape[-1], device=x.device)
+        k = self.top_k[slots]
+        keep = (k[:, None] <= 0) | (rank[None] < k[:, None])
+        probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
+        keep &= (probs.cumsum(-1) - probs) < self.top_p[slots][:, None]
+        return x, greedy, vals, idx, keep
 
     def probs(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution: softmax(logits / temperature) restricted to
@@ -149,16 +156,7 @@ class SamplingTable:
         torch.Tensor
             float32 [n, vocab], rows summing to 1.
         """
-        x = logits.float()
-        t = self.temperature[slots]
-        greedy = t <= 0
-        vals, idx = (x / torch.where(greedy, torch.ones_like(t), t)[:, None]).sort(
-            -1, descending=True)
-        rank = torch.arange(x.shape[-1], device=x.device)
-        k = self.top_k[slots]
-        keep = (k[:, None] <= 0) | (rank[None] < k[:, None])
-        sorted_p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
-        keep &= (sorted_p.cumsum(-1) - sorted_p) < self.top_p[slots][:, None]
+        x, greedy, vals, idx, keep = self._sorted_kept(logits, slots)
         sorted_p = torch.softmax(vals.masked_fill(~keep, float("-inf")), -1)
         p = torch.zeros_like(x).scatter_(1, idx, sorted_p)
         one_hot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
