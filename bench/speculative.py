@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=64, help="tokens timed per request")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None, help="folder for speculative.json")
+    ap.add_argument("--out", default=None, help="folder for speculative_DEVICE.json")
     args = ap.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
     ks = [int(k) for k in args.ks.split(",")]
@@ -154,8 +154,8 @@ def main() -> None:
     meta = result_meta("bench.speculative", args)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "speculative.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                                 indent=1))
+        Path(args.out, f"speculative_{args.device}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def _shares(rows: list[dict]) -> None:

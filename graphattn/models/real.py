@@ -56,6 +56,7 @@ def _dequantize(cache: Path) -> None:
     """Read the GGUF once and keep config, tokenizer and float32 weights in `cache`."""
     import transformers
 
+    cache.mkdir(parents=True, exist_ok=True)
     gguf = _fetch_gguf(cache / "gguf")
     logger.info("dequantizing %s (once; kept in %s)", gguf.name, cache)
     kw = {"gguf_file": gguf.name}

