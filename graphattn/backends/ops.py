@@ -31,6 +31,7 @@ from graphattn.backends.triton_launch import (
     launch_rope_write_kv,
     launch_shared_prefix,
     launch_write_kv,
+    merge_shared_prefix,
     triton_attention,
 )
 
@@ -212,21 +213,15 @@ def _triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     member = shared_rows.long()[req] > 0
     leader = block_table.index_select(0, shared_rows.long().argmax().view(1))[0]
     key_hi = torch.where(member, hi.clamp(max=shared_prefix), 0).to(torch.int32)
-    o_p, lse_p = launch_shared_prefix(q, k_cache, v_cache, leader.contiguous(), key_hi,
-                                      lo.to(torch.int32) if window > 0 else None,
-                                      shared_prefix, scale, softcap)
+    part, part_lse = launch_shared_prefix(q, k_cache, v_cache, leader.contiguous(), key_hi,
+                                          lo.to(torch.int32) if window > 0 else None,
+                                          shared_prefix, scale, softcap)
     lse_s = torch.empty(t * h, dtype=torch.float32, device=q.device)
     start = torch.where(shared_rows > 0, shared_prefix, 0).to(torch.int32)
     o_s = triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
                            0, max_len, window, softcap, sinks, kv_start=start, lse=lse_s)
-    lse = torch.cat([lse_p, lse_s.view(1, t, h)])
-    m = lse.amax(0)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    w = torch.exp(lse - m)
-    o = torch.cat([o_p, o_s.float()[None]])
-    out = (o * w[..., None]).sum(0) / w.sum(0).clamp_min(torch.finfo(torch.float32).tiny)[
-        ..., None]
-    return out.to(q.dtype)
+    return merge_shared_prefix(part, part_lse, o_s, lse_s, query_start_loc,
+                               block_table.shape[0])
 
 
 @cascade_attention.register_fake

@@ -263,7 +263,7 @@ def unified_attention_kernel(
 @triton.jit
 def shared_prefix_kernel(
     part_out, part_lse, q, k_cache, v_cache, prefix_table, key_hi, key_lo,
-    scale, softcap, num_tokens, num_heads, prefix_len, num_splits,
+    scale, softcap, num_tokens, num_heads, prefix_len, num_splits, num_parts,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -275,7 +275,9 @@ def shared_prefix_kernel(
     pairs of one KV head and one of `num_splits` parts of the prefix, whose keys it reads
     once for all of them through ``prefix_table`` (the group's block ids). Token t sees
     prefix keys [key_lo[t], key_hi[t]) (key_hi 0: a token outside the group). Writes the
-    part's normalized output and log2-sum-exp to part_out / part_lse [split, t, head]."""
+    part's normalized output and log2-sum-exp to part_out [t, head, num_parts, DV_PAD] /
+    part_lse [t, head, num_parts] at part `split` (the parts past `num_splits`: the caller's,
+    merged by `merge_splits_kernel`)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -314,8 +316,8 @@ def shared_prefix_kernel(
             kvh * stride_vh, stride_vb, stride_vs, offs_dv, n_ok, dv_ok)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    base = (split * num_tokens + tok) * num_heads + head
-    tl.store(part_out + base[:, None] * HEAD_DIM_V + offs_dv[None, :], o,
+    base = (tok * num_heads + head) * num_parts + split
+    tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
              mask=in_range[:, None] & dv_ok[None, :])
     tl.store(part_lse + base, lse2, mask=in_range)
 

@@ -11,13 +11,14 @@ from graphattn.backends.launch_config import (
     decode_config,
     device_index,
     has_pdl,
+    num_sms,
     pow2,
     rope_fusable,
     tiles,
 )
 
 __all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_write_kv",
-           "launch_shared_prefix", "triton_attention"]
+           "launch_shared_prefix", "merge_shared_prefix", "triton_attention"]
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -137,37 +138,64 @@ def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix pass of shared-prefix attention (`shared_prefix_kernel`): the prefix's
     keys read once per KV head for every (token, head) of a BLOCK_M tile, the prefix cut
-    into parts (grid from CPU numbers: tokens, KV heads and `prefix_len`).
+    into parts (grid from CPU numbers: tokens, KV heads and `prefix_len`), and one part more
+    left for the suffix pass (`merge_shared_prefix`).
 
     Returns
     -------
-    out : float32 [S, T, H, Dv]; lse : float32 [S, T, H], natural log (-inf: nothing seen)
+    part : float32 [T, H, S + 1, DV_PAD]; part_lse : float32 [T, H, S + 1], log2 units
+        The prefix's S parts (-inf: nothing seen); part S is not written.
     """
     from graphattn.backends.triton_kernels import shared_prefix_kernel
 
     t, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
-    g = h // hkv
+    g, dv_pad = h // hkv, max(16, pow2(dv))
     block_m = max(16, min(64, pow2(t * g)))
     tiles_m = -(-t * g // block_m)
     block_n = 64 if max(d, dv) <= 128 else 32
     # parts so the grid fills the device about twice (a CPU choice; bounded by the prefix)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if (
-        q.device.type == "cuda") else 8
+    sms = num_sms(q.device) if q.device.type == "cuda" else 8
     splits = max(1, min(-(-prefix_len // (4 * block_n)), -(-2 * sms // (tiles_m * hkv))))
-    out = torch.empty(splits, t, h, dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
+    part = torch.empty(t, h, splits + 1, dv_pad, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t, h, splits + 1, dtype=torch.float32, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
     shared_prefix_kernel[(tiles_m, hkv, splits)](
-        out, lse, q, k_cache, v_cache, prefix_table, key_hi,
+        part, part_lse, q, k_cache, v_cache, prefix_table, key_hi,
         key_hi if key_lo is None else key_lo, scale, softcap if softcap > 0 else 1.0, t, h,
-        prefix_len, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)), DV_PAD=max(16, pow2(dv)),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1], USE_SOFTCAP=softcap > 0,
-        USE_WINDOW=key_lo is not None, num_warps=4)
-    return out, lse * 0.6931471805599453
+        prefix_len, splits, splits + 1, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
+        DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
+        USE_SOFTCAP=softcap > 0, USE_WINDOW=key_lo is not None, num_warps=4)
+    return part, part_lse
+
+
+def merge_shared_prefix(part: torch.Tensor, part_lse: torch.Tensor, suffix: torch.Tensor,
+                        suffix_lse: torch.Tensor, query_start_loc: torch.Tensor,
+                        rows: int) -> torch.Tensor:
+    """The prefix parts of `launch_shared_prefix` and the suffix pass's output merged by
+    their log-sum-exp (`merge_splits_kernel`; padded tokens 0).
+
+    Parameters
+    ----------
+    part, part_lse : see `launch_shared_prefix` (the last part is filled here)
+    suffix : [T, H, Dv], the suffix pass's output
+    suffix_lse : float32 [T * H], its natural log-sum-exp
+
+    Returns
+    -------
+    torch.Tensor
+        [T, H, Dv] in the suffix's dtype.
+    """
+    t, h, dv = suffix.shape
+    part[:, :, -1, :dv] = suffix
+    torch.mul(suffix_lse.view(t, h), 1.4426950408889634, out=part_lse[:, :, -1])
+    out = suffix.new_empty(t, h, dv)
+    _merge_splits(out, out, part, part_lse, out, query_start_loc, rows, part.shape[2],
+                  part.shape[3], False, False, False)
+    return out
 
 
 def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
