@@ -11,7 +11,8 @@ target's shape) and `draft-exact` (the target's first 2 layers, embedding and he
 target's later layers have their o and down projections zeroed, so they add nothing to
 the residual stream while their weights are still read every step, and the truncation
 agrees with the target token for token). Columns: tokens/s, step µs (wall over decode
-steps), acceptance, `draft_share` = 1 - step µs(ngram, same k) / step µs(row): the part
+steps), acceptance, host reads of device state per step (`host_syncs_per_step`, counted over
+two steps after the timed ones), `draft_share` = 1 - step µs(ngram, same k) / step µs(row): the part
 of the step the draft model's passes take, the n-gram proposer's cost standing for none.
 """
 
@@ -32,6 +33,7 @@ from graphattn import DraftModelProposer, GraphRunner, NgramProposer, RunnerConf
 from graphattn.buckets import BucketPolicy
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
+from graphattn.sync import count_host_syncs
 
 BLOCK = 16
 
@@ -106,7 +108,19 @@ def run_row(target: TinyDecoder, kind: str, k: int, batch: int, args: argparse.N
     accepted = (emitted - batch * steps) / (batch * steps * k) if q > 1 else None
     return {"drafter": kind, "k": k if q > 1 else 0, "batch": batch, "steps": steps,
             "tokens_per_s": emitted / wall, "step_us": 1e6 * wall / steps,
-            "acceptance": accepted}
+            "acceptance": accepted, "host_syncs_per_step": _syncs_per_step(runner, sched)}
+
+
+def _syncs_per_step(runner: GraphRunner, sched: SchedulerOutput, steps: int = 2) -> float:
+    """Host reads of device state inside `step()`, over `steps` more steps after the timed
+    ones (counted outside the timing: the counter hooks every dispatched op)."""
+    syncs = 0
+    for _ in range(steps):
+        with count_host_syncs() as c:
+            out = runner.step(sched)
+        syncs += c.count
+        _consume(runner, out)
+    return syncs / steps
 
 
 def _consume(runner: GraphRunner, out) -> int:

@@ -25,3 +25,4 @@ def test_exact_truncated_draft_accepts_everything_and_rows_are_complete():
     assert row["acceptance"] == 1.0 and row["steps"] <= 4
     assert random["acceptance"] < 0.5
     assert {"tokens_per_s", "step_us", "batch", "k"} <= row.keys()
+    assert row["host_syncs_per_step"] == random["host_syncs_per_step"] == 0
