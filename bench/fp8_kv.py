@@ -49,16 +49,23 @@ def decode(model, prompts: list[np.ndarray], new: int, kv_cache_dtype, device: s
     return np.array(tokens), torch.stack([torch.stack(x) for x in logits])
 
 
+def agreement(a: np.ndarray, b: np.ndarray) -> dict:
+    """Greedy agreement of two runs' tokens [requests, new]: the share of equal positions,
+    and each request's first differing position (`new` where none differs)."""
+    same = a == b
+    return {"greedy_agreement": float(same.mean()),
+            "first_difference": [int(np.argmin(r)) if not r.all() else len(r) for r in same]}
+
+
 def compare(name: str, model, prompts: list[np.ndarray], new: int, device: str) -> dict:
     with torch.inference_mode():
         base_t, base_l = decode(model, prompts, new, None, device)
         fp8_t, fp8_l = decode(model, prompts, new, "fp8_e4m3", device)
-    same = base_t == fp8_t
-    first = [int(np.argmin(r)) if not r.all() else new for r in same]
+    agree = agreement(base_t, fp8_t)
+    first = agree["first_difference"]
     err = max(float((base_l[j, : first[j] + 1] - fp8_l[j, : first[j] + 1]).abs().max())
               for j in range(len(prompts)))
-    return {"model": name, "requests": len(prompts), "new_tokens": new,
-            "greedy_agreement": float(same.mean()), "first_difference": first,
+    return {"model": name, "requests": len(prompts), "new_tokens": new, **agree,
             "max_logit_diff_before_difference": err,
             "logit_range": float(base_l.max() - base_l.min())}
 

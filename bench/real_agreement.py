@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.fp8_kv import decode
+from bench.fp8_kv import agreement, decode
 from bench.setup import result_meta
 from graphattn.demo import CHAT
 
@@ -33,12 +33,6 @@ def generate(model, prompts: list[np.ndarray], new: int) -> np.ndarray:
                                   min_new_tokens=new, do_sample=False,
                                   eos_token_id=None)[0, len(p):].tolist())
     return np.array(out)
-
-
-def agreement(a: np.ndarray, b: np.ndarray) -> dict:
-    same = a == b
-    return {"greedy_agreement": float(same.mean()),
-            "first_difference": [int(np.argmin(r)) if not r.all() else len(r) for r in same]}
 
 
 def main() -> None:

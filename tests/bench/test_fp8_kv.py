@@ -1,8 +1,8 @@
-"""bench.real_agreement's comparison of two runs' greedy tokens."""
+"""bench.fp8_kv.agreement: two runs' greedy tokens compared (bench.real_agreement too)."""
 
 import numpy as np
 
-from bench.real_agreement import agreement
+from bench.fp8_kv import agreement
 
 
 def test_agreement_counts_equal_positions_and_each_requests_first_difference():
