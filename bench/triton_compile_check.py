@@ -8,7 +8,8 @@ thread: fewer programs fit an SM as they grow; a stack means spills).
 
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
 split or not, softcap / window / sinks, programmatic dependent launch), the fused
-rope + decode variant at the decode configs' tiles, the split merge and the KV writes, with
+rope + decode variant at the decode configs' tiles, the split merge and the KV writes (bf16
+and fp8 caches), with
 pointers and strides taken divisible by 16 as the JIT specializes them at a launch on real
 caches. The numbers are checked by tests/graphattn/backends/test_triton_interpreter.py
 (Triton's interpreter); this checks the build.
@@ -42,7 +43,7 @@ POINTERS = {
     "key_hi": "*i32", "key_lo": "*i32",
 }
 FP8_CACHES = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
-FLOATS = {"scale", "softcap"}
+FLOATS = {"scale", "softcap", "k_scale", "v_scale"}
 
 
 def resources(cubin: bytes) -> str:
@@ -87,19 +88,21 @@ def main() -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, WRITE_LSE=False, USE_PDL=pdl,
-                      ROPE_APPEND=False, USE_KV_START=False)
+                      ROPE_APPEND=False, USE_KV_START=False, FP8=False)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
               got)
         assert got["pdl_wait"] == pdl
-    for rope, block_n, split in itertools.product((False, True), (64, 128), (False, True)):
+    for rope, block_n, split, fp8 in itertools.product((False, True), (64, 128),
+                                                       (False, True), (False, True)):
         consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      WRITE_LSE=False, USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False)
-        print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split},
-              build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
-                    launch_pdl=True))
+                      WRITE_LSE=False, USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
+                      FP8=fp8)
+        print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
+              build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
+                    num_warps=4, num_stages=2, launch_pdl=True))
     for uniform, fp8 in itertools.product((False, True), repeat=2):
         # shared-prefix attention's suffix pass (each row from its kv_start, LSE written),
         # and reads of an fp8 cache
@@ -107,7 +110,7 @@ def main() -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=False, USE_SOFTCAP=False,
                       USE_WINDOW=False, USE_SINKS=False, WRITE_LSE=True, USE_PDL=False,
-                      ROPE_APPEND=False, USE_KV_START=True)
+                      ROPE_APPEND=False, USE_KV_START=True, FP8=fp8)
         print("suffix", {"UNIFORM": uniform, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2))
@@ -122,12 +125,14 @@ def main() -> None:
                       WRITE_LSE=False, USE_PDL=pdl)
         print("merge", consts, build(merge_splits_kernel, consts, target, num_warps=4,
                                      launch_pdl=pdl))
-    print("write_kv", build(write_kv_kernel, dict(ROW_K=256, ROW_V=256, BLOCK=256), target))
-    for pdl in (False, True):
+    for fp8 in (False, True):
+        print("write_kv", {"fp8": fp8}, build(write_kv_kernel, dict(
+            ROW_K=256, ROW_V=256, BLOCK=256, FP8=fp8), target, FP8_CACHES if fp8 else None))
+    for pdl, fp8 in itertools.product((False, True), repeat=2):
         got = build(rope_write_kv_kernel, dict(H=16, HKV=4, D=64, H_PAD=16, HKV_PAD=4,
-                                               HALF_PAD=32, D_PAD=64, USE_PDL=pdl),
-                    target, num_warps=4, launch_pdl=pdl)
-        print("rope_write_kv", pdl, got)
+                                               HALF_PAD=32, D_PAD=64, USE_PDL=pdl, FP8=fp8),
+                    target, FP8_CACHES if fp8 else None, num_warps=4, launch_pdl=pdl)
+        print("rope_write_kv", {"pdl": pdl, "fp8": fp8}, got)
         assert got["pdl_wait"] == pdl
 
 

@@ -22,7 +22,6 @@ from graphattn.backends.reference import (
     gather_paged_attention,
     is_fp8,
     shared_prefix_bounds,
-    to_cache_values,
     write_to_cache,
 )
 from graphattn.backends.rope import apply_rope, cos_sin
@@ -128,13 +127,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     torch.Tensor
         [T, H, Dv] in q's dtype; 0 for padded tokens.
     """
-    kind, rows, scale = resolve_kernel(kernel, q.device), block_table.shape[0], scale * k_scale
+    kind, rows = resolve_kernel(kernel, q.device), block_table.shape[0]
     num_kv_blocks, max_len = _read_bounds(kv_bounds)
     if kind == "triton":
         uniform = decode_query_len if num_decodes == rows and rows else 0
-        return _scaled(triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                        block_table, scale, uniform, max_len, window, softcap,
-                                        sinks), v_scale)
+        return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                scale, uniform, max_len, window, softcap, sinks,
+                                scales=(k_scale, v_scale))
+    scale = scale * k_scale
     if kind == "varlen":
         if softcap > 0 or sinks is not None or is_fp8(k_cache.dtype):
             raise ValueError("kernel 'varlen' supports neither softcap, sinks nor fp8 caches")
@@ -251,8 +251,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         write_to_cache(k_cache, slot_mapping, k, k_scale)
         write_to_cache(v_cache, slot_mapping, v, v_scale)
         return
-    launch_write_kv(to_cache_values(k, k_cache.dtype, k_scale),
-                    to_cache_values(v, v_cache.dtype, v_scale), k_cache, v_cache, slot_mapping)
+    launch_write_kv(k, v, k_cache, v_cache, slot_mapping, (k_scale, v_scale))
 
 
 @write_kv.register_fake
@@ -297,7 +296,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         "triton" on CUDA runs the fused kernel; otherwise the plain-torch rope and
         index_copy_.
     k_scale, v_scale : float
-        As in `write_kv` (an fp8 cache: the rotation in torch, then `write_kv`).
+        As in `write_kv`.
 
     Returns
     -------
@@ -306,14 +305,14 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     """
     t, d = qkv.shape[0], _check_qkv(qkv, inv_freq, num_heads, num_kv_heads)
     kind = resolve_kernel(kernel, qkv.device)
-    if kind != "triton" or is_fp8(k_cache.dtype):
+    if kind != "triton":
         qk = apply_rope(qkv[:, : (num_heads + num_kv_heads) * d].view(t, -1, d),
                         *cos_sin(positions, inv_freq))
         write_kv(qk[:, num_heads:], qkv[:, (num_heads + num_kv_heads) * d:].view(
             t, num_kv_heads, d), k_cache, v_cache, slot_mapping, kind, k_scale, v_scale)
         return qk[:, :num_heads].contiguous()
     return launch_rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping,
-                                num_heads, num_kv_heads)
+                                num_heads, num_kv_heads, (k_scale, v_scale))
 
 
 @rope_write_kv.register_fake
@@ -350,7 +349,7 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     scale : float
     num_heads, num_kv_heads : int
     kv_bounds, window, softcap, sinks, kernel, k_scale, v_scale
-        As in `paged_attention` (an fp8 cache runs the two ops).
+        As in `paged_attention`.
 
     Returns
     -------
@@ -362,15 +361,15 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     if t < rows:
         raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
     max_len = _read_bounds(kv_bounds)[1]
-    if (resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache)
-            and not is_fp8(k_cache.dtype)):
+    if resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache):
         check_contiguous_caches("rope_paged_decode", k_cache, v_cache)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         q = qkv.view(t, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
         return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                  scale, 1, max_len, window, softcap, sinks,
-                                 rope=(positions, inv_freq, slot_mapping))
+                                 rope=(positions, inv_freq, slot_mapping),
+                                 scales=(k_scale, v_scale))
     q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
                       num_kv_heads, kernel, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,

@@ -71,6 +71,16 @@ def _rotate(x1, x2, c, s, dtype: tl.constexpr):
 
 
 @triton.jit
+def _to_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    """`x` as a cache of `dtype` stores it: an fp8 cache x / scale (IEEE division, as torch),
+    clamped to e4m3's finite range; otherwise x rounded to `dtype`."""
+    if FP8:
+        x = tl.math.div_rn(x.to(tl.float32), scale)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def _tile_logits(qv, k_cache, page, slot, k_head, stride_kb, stride_ks, offs_d, n_ok, d_ok,
                  scale, softcap, USE_SOFTCAP: tl.constexpr):
     """Logits (log2 units) of the queries `qv` against one tile of keys read through `page`
@@ -101,7 +111,7 @@ def unified_attention_kernel(
     out, lse_out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
     positions, inv_freq, slot_mapping, kv_start,
-    scale, softcap, window,
+    scale, softcap, window, k_scale, v_scale,
     num_rows, num_heads, num_tokens, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -114,9 +124,13 @@ def unified_attention_kernel(
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
-    USE_KV_START: tl.constexpr,
+    USE_KV_START: tl.constexpr, FP8: tl.constexpr,
 ):
-    """USE_KV_START: each row reads keys from ``kv_start[row]`` on (the suffix pass of
+    """`scale` includes an fp8 cache's K scale; `v_scale` (1 otherwise) multiplies the
+    output (partials too: their merge is a convex sum). FP8: the rotary append stores the
+    new K / V as K / k_scale and V / v_scale (`_to_cache`) and seeds from those values.
+
+    USE_KV_START: each row reads keys from ``kv_start[row]`` on (the suffix pass of
     shared-prefix attention).
 
     ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
@@ -179,9 +193,12 @@ def unified_attention_kernel(
         qv = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, D_PAD))
         k_at = q + q_start * stride_qt + (num_heads + kvh) * stride_qh
         k1, k2 = _rotate(tl.load(k_at + offs_h), tl.load(k_at + half + offs_h), c, sn,
-                         k_cache.dtype.element_ty)
-        v_new = tl.load(q + q_start * stride_qt + (num_heads + tl.num_programs(1) + kvh)
-                        * stride_qh + offs_dv, mask=dv_ok, other=0.0).to(v_cache.dtype.element_ty)
+                         q.dtype.element_ty)
+        k1 = _to_cache(k1, k_scale, k_cache.dtype.element_ty, FP8)
+        k2 = _to_cache(k2, k_scale, k_cache.dtype.element_ty, FP8)
+        v_new = _to_cache(tl.load(q + q_start * stride_qt + (num_heads + tl.num_programs(1)
+                                                            + kvh) * stride_qh + offs_dv,
+                                  mask=dv_ok, other=0.0), v_scale, v_cache.dtype.element_ty, FP8)
         last = split == num_splits - 1
         new_slot = tl.load(slot_mapping + q_start)
         w_ok = last & (new_slot >= 0)
@@ -245,14 +262,14 @@ def unified_attention_kernel(
             l_i = l_i * tl.exp2(m_i - m_tot) + tl.exp2(sink - m_tot)
             acc = acc * tl.exp2(m_i - m_tot)[:, None]
             m_i = m_tot
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                  o.to(out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
         if WRITE_LSE:
             lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
             tl.store(lse_out + tok * num_heads + head, lse, mask=m_ok)
     else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         base = (tok * num_heads + head) * num_splits + split
         tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
@@ -368,11 +385,12 @@ def merge_splits_kernel(
 
 @triton.jit
 def write_kv_kernel(
-    k, v, k_cache, v_cache, slot_mapping,
+    k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_kt, stride_vt, stride_kcs, stride_vcs,
-    ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK: tl.constexpr,
+    ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):
-    """k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t] (all heads); slot < 0: no write."""
+    """k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t] (all heads; FP8: k / k_scale and
+    v / v_scale, `_to_cache`); slot < 0: no write."""
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t)
     if slot < 0:
@@ -381,25 +399,28 @@ def write_kv_kernel(
         offs = i + tl.arange(0, BLOCK)
         ok = offs < ROW_K
         x = tl.load(k + t * stride_kt + offs, mask=ok)
-        tl.store(k_cache + slot * stride_kcs + offs, x.to(k_cache.dtype.element_ty), mask=ok)
+        tl.store(k_cache + slot * stride_kcs + offs,
+                 _to_cache(x, k_scale, k_cache.dtype.element_ty, FP8), mask=ok)
     for i in range(0, ROW_V, BLOCK):
         offs = i + tl.arange(0, BLOCK)
         ok = offs < ROW_V
         x = tl.load(v + t * stride_vt + offs, mask=ok)
-        tl.store(v_cache + slot * stride_vcs + offs, x.to(v_cache.dtype.element_ty), mask=ok)
+        tl.store(v_cache + slot * stride_vcs + offs,
+                 _to_cache(x, v_scale, v_cache.dtype.element_ty, FP8), mask=ok)
 
 
 @triton.jit
 def rope_write_kv_kernel(
-    qkv, positions, inv_freq, q_out, k_cache, v_cache, slot_mapping,
+    qkv, positions, inv_freq, q_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_qkv, stride_qo, stride_kcs, stride_vcs,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     H_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, FP8: tl.constexpr,
 ):
     """Token t of qkv [T, (H + 2 HKV) * D]: q rotated into q_out, k rotated and v written to
-    slot ``slot_mapping[t]`` of the caches (slot < 0: not written). Rotation: NeoX halves,
-    angle = position * inv_freq in float32."""
+    slot ``slot_mapping[t]`` of the caches (slot < 0: not written; FP8: stored as K / k_scale
+    and V / v_scale, `_to_cache`). Rotation: NeoX halves, angle = position * inv_freq in
+    float32, rounded to qkv's dtype."""
     if USE_PDL:  # launched early: the previous kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
@@ -426,12 +447,12 @@ def rope_write_kv_kernel(
         k_src = row + H * D + kh[:, None] * D + i[None, :]
         k1, k2 = _rotate(tl.load(k_src, mask=km, other=0.0),
                          tl.load(k_src + half, mask=km, other=0.0), c, s,
-                         k_cache.dtype.element_ty)
+                         qkv.dtype.element_ty)
         k_dst = k_cache + slot * stride_kcs + kh[:, None] * D + i[None, :]
-        tl.store(k_dst, k1, mask=km)
-        tl.store(k_dst + half, k2, mask=km)
+        tl.store(k_dst, _to_cache(k1, k_scale, k_cache.dtype.element_ty, FP8), mask=km)
+        tl.store(k_dst + half, _to_cache(k2, k_scale, k_cache.dtype.element_ty, FP8), mask=km)
         dd = tl.arange(0, D_PAD)
         vm = (kh < HKV)[:, None] & (dd < D)[None, :]
         x = tl.load(row + (H + HKV) * D + kh[:, None] * D + dd[None, :], mask=vm)
         tl.store(v_cache + slot * stride_vcs + kh[:, None] * D + dd[None, :],
-                 x.to(v_cache.dtype.element_ty), mask=vm)
+                 _to_cache(x, v_scale, v_cache.dtype.element_ty, FP8), mask=vm)

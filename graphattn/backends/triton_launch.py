@@ -16,6 +16,7 @@ from graphattn.backends.launch_config import (
     rope_fusable,
     tiles,
 )
+from graphattn.backends.reference import is_fp8
 
 __all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_write_kv",
            "launch_shared_prefix", "merge_shared_prefix", "triton_attention"]
@@ -63,7 +64,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      config: TritonConfig | None = None,
                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      kv_start: torch.Tensor | None = None,
-                     lse: torch.Tensor | None = None) -> torch.Tensor:
+                     lse: torch.Tensor | None = None,
+                     scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Paged attention through the unified kernel (+ the split merge); see
     `torch.ops.graphattn.paged_attention` for the arguments.
 
@@ -73,7 +75,10 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     a one-token decode launch whose `q` is the q-head view of a fused qkv
     (`rope_paged_decode`); `kv_start`: int32 [rows], each row's first key (default 0);
     `lse`: float32 [T * H], filled with each (token, head)'s natural log-sum-exp (-inf for
-    padded tokens). Returns [T, H, Dv] in q's dtype, 0 for padded tokens.
+    padded tokens); `scales`: an fp8 cache's (k_scale, v_scale) (it holds K / k_scale and
+    V / v_scale): K's folds into `scale`, V's multiplies the output in the kernel, and the
+    rotary append stores its new K / V so. Returns [T, H, Dv] in q's dtype, 0 for padded
+    tokens.
     """
     from graphattn.backends.triton_kernels import unified_attention_kernel
 
@@ -93,7 +98,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cfg, num_tiles, num_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
                                                            uniform_query_len, max_len, config)
     consts.update(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None,
-                  USE_KV_START=kv_start is not None, WRITE_LSE=lse is not None)
+                  USE_KV_START=kv_start is not None, WRITE_LSE=lse is not None,
+                  FP8=is_fp8(k_cache.dtype))
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
     part = part_lse = out
     if num_splits > 1:
@@ -105,8 +111,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     unified_attention_kernel[(num_tiles, k_cache.shape[2], num_splits)](
         out, lse_arg, part, part_lse, q, k_cache, v_cache, block_table, seq_lens,
         query_start_loc, sink_arg, *(rope or (seq_lens,) * 3),
-        seq_lens if kv_start is None else kv_start, scale, softcap if softcap > 0 else 1.0,
-        window, rows, h, t, num_splits,
+        seq_lens if kv_start is None else kv_start, scale * scales[0],
+        softcap if softcap > 0 else 1.0, window, *map(float, scales), rows, h, t, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
@@ -199,8 +205,10 @@ def merge_shared_prefix(part: torch.Tensor, part_lse: torch.Tensor, suffix: torc
 
 
 def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """K and V of T tokens into their slots in one launch (slot -1: no write)."""
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """K and V of T tokens into their slots in one launch (slot -1: no write; an fp8 cache
+    stores K / k_scale and V / v_scale of `scales`)."""
     from graphattn.backends.triton_kernels import write_kv_kernel
 
     check_contiguous_caches("write_kv", k_cache, v_cache)
@@ -213,16 +221,18 @@ def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     if v.stride(-1) != 1:
         v = v.contiguous()
     row_k, row_v = k.shape[1], v.shape[1]
-    write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                          k_cache.stride(1), v_cache.stride(1), ROW_K=row_k, ROW_V=row_v,
-                          BLOCK=min(1024, pow2(max(row_k, row_v))), num_warps=4)
+    write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, *map(float, scales), k.stride(0),
+                          v.stride(0), k_cache.stride(1), v_cache.stride(1), ROW_K=row_k,
+                          ROW_V=row_v, BLOCK=min(1024, pow2(max(row_k, row_v))),
+                          FP8=is_fp8(k_cache.dtype), num_warps=4)
 
 
 def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, num_heads: int,
-                         num_kv_heads: int) -> torch.Tensor:
-    """Rotated queries [T, H, D] of a fused qkv, K/V written (one launch)."""
+                         slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                         scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """Rotated queries [T, H, D] of a fused qkv, K/V written (one launch; an fp8 cache
+    stores K / k_scale and V / v_scale of `scales`)."""
     from graphattn.backends.triton_kernels import rope_write_kv_kernel
 
     check_contiguous_caches("rope_write_kv", k_cache, v_cache)
@@ -234,8 +244,10 @@ def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
         qkv = qkv.contiguous()
     pdl = has_pdl(device_index(qkv.device))
     rope_write_kv_kernel[(t,)](
-        qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0),
-        k_cache.stride(1), v_cache.stride(1), H=num_heads, HKV=num_kv_heads, D=d,
+        qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, *map(float, scales),
+        qkv.stride(0),
+        q.stride(0), k_cache.stride(1), v_cache.stride(1), H=num_heads, HKV=num_kv_heads, D=d,
         H_PAD=pow2(num_heads), HKV_PAD=pow2(num_kv_heads), HALF_PAD=max(2, pow2(d // 2)),
-        D_PAD=max(2, pow2(d)), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        D_PAD=max(2, pow2(d)), USE_PDL=pdl, FP8=is_fp8(k_cache.dtype), num_warps=4,
+        launch_pdl=pdl)
     return q

@@ -342,6 +342,44 @@ def test_triton_rotation_matches_torch_at_far_positions():
     check_far_rotation("cuda")
 
 
+def check_fp8_fused(device: str, dtype: torch.dtype = torch.float32, tol: float = 3e-2) -> None:
+    """The fused rotary + write (`rope_write_kv`) and rotary + decode (`rope_paged_decode`)
+    Triton kernels on an fp8 cache holding K / 0.5 and V / 2 against the plain-torch ops on
+    the same cache: rotated queries, attention outputs and the written slots (the slots
+    within one e4m3 step: the kernels' cos / sin may round a last bit the other way). The
+    interpreter test runs it on the CPU."""
+    qkv, pos, inv, kc, vc, qsl, seq, bt, slots = _decode_qkv_case(device, dtype)
+    h, hkv, nblk, bs = 8, 2, 8, 8
+    rows = bt.shape[0]
+    caches = [to_cache_values(c, FP8, sc).to(FP8) for c, sc in ((kc, 0.5), (vc, 2.0))]
+    written = slots[:rows]
+
+    def run(kernel, decode):
+        kv = [c.clone() for c in caches]
+        with no_host_sync():
+            if decode:
+                out = torch.ops.graphattn.rope_paged_decode(
+                    qkv, pos, inv, *kv, qsl, seq, bt, slots, 32 ** -0.5, h, hkv,
+                    kv_bounds(nblk, nblk * bs), 0, 0.0, None, kernel, 0.5, 2.0)
+            else:
+                out = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *kv, slots, h, hkv,
+                                                        kernel, 0.5, 2.0)
+        return out[:rows].double().cpu(), [c.flatten(0, 1)[written].double().cpu() for c in kv]
+
+    for decode in (False, True):
+        (out, kv), (out_ref, kv_ref) = run("triton", decode), run("torch", decode)
+        torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
+        for got, want in zip(kv, kv_ref, strict=True):
+            assert ((got - want).abs() <= want.abs() / 8 + 1e-6).all()
+            assert (got != want).double().mean() < 0.02
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rotary_kernels_write_and_read_an_fp8_cache(dtype):
+    check_fp8_fused("cuda", dtype)
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_rope_write_kv_agrees_with_its_fake_and_refuses_a_bad_qkv(device):
     qkv, pos, inv, (kc, vc), slots, (h, hkv, d) = _rope_case("cpu", torch.float32)

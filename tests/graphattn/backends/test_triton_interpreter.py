@@ -1,9 +1,9 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
-the K/V write, the fused rope + write + decode attention, the rotation at far positions, and
-the sparse indexer's attention over its selection (one-slot pages), and shared-prefix
-attention (the prefix pass and the suffix pass from each row's start).
+the K/V write, the fused rope + write + decode attention (an fp8 cache too), the rotation
+at far positions, the sparse indexer's attention over its selection (one-slot pages), and
+shared-prefix attention (the prefix pass and the suffix pass from each row's start).
 The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
 error on any machine."""
 
@@ -49,7 +49,22 @@ def main() -> None:
             scope.set_attr(tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patch_index
+    import numpy as np
     import triton.language as tl
+
+    # Triton 3.6's interpreter narrows to fp8 by truncation without the carry into the
+    # exponent (1.97 -> 1.0); the hardware rounds to nearest even, as torch does
+    convert = interpreter._convert_float
+    to_torch = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in to_torch:
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        bits = np.frombuffer(data.tobytes(), dtype=f"int{input_dtype.primitive_bitwidth}")
+        x = torch.from_numpy(bits.copy()).view(to_torch[input_dtype])
+        return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(data.shape)
+
+    interpreter._convert_float = convert_float
 
     from graphattn.backends import triton_kernels
 
@@ -94,6 +109,7 @@ def main() -> None:
         t.run_steps(name, {}, "cpu", "triton", torch.float32, steps=3, tol=1e-4,
                     cache_dtype=torch.float8_e4m3fn, scales=(0.5, 2.0))
     t.check_far_rotation("cpu")
+    t.check_fp8_fused("cpu")
     for spec, budget, pad in ((0, 400, (0, 0)), (2, 150, (2, 3))):  # one-slot pages
         ts.run_sparse(spec, budget, pad, "cpu", "triton", torch.float32, tol=1e-4)
     for feature in sorted(tc.FEATURES):  # shared-prefix attention: prefix and suffix passes
