@@ -175,48 +175,91 @@ class SparseIndexerImpl:
             fewer than topk keys are visible.
         """
         k_cache, v_cache, i_cache = kv_cache
-        for cache, x in ((k_cache, k), (v_cache, v), (i_cache, k_idx.unsqueeze(1))):
-            write_to_cache(cache, meta.slot_mapping, x)
-        t = q.shape[0]
-        out = q.new_zeros(t, q.shape[1], v.shape[-1])
-        sel = torch.full((t, self.topk), -1, dtype=torch.long, device=q.device)
+        write_to_cache(k_cache, meta.slot_mapping, k)
+        write_to_cache(v_cache, meta.slot_mapping, v)
+        sel = self.select(q_idx, k_idx, weights, i_cache, meta)
+        return self.attend(q, k_cache, v_cache, sel, meta), sel
+
+    def select(self, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor,
+               idx_cache: torch.Tensor, meta: SparseIndexerMetadata) -> torch.Tensor:
+        """Write the indexer keys, then each token's top-k visible positions.
+
+        A token at position p scores keys [0, p] by ``sum_h weights[h] * relu(q_idx[h] . k)``
+        and keeps the `topk` best (all of them when p < topk). The decode rows are scored
+        together up to the key's block bound, each prefill chunk up to its own bound.
+
+        Parameters
+        ----------
+        q_idx : [T, Hi, Di]; k_idx : [T, Di]; weights : [T, Hi]
+        idx_cache : [blocks + 1, block_size, 1, Di]
+
+        Returns
+        -------
+        torch.Tensor
+            int64 [T, topk], positions by descending score; -1 past the token's visible
+            keys and for padded tokens.
+        """
+        write_to_cache(idx_cache, meta.slot_mapping, k_idx.unsqueeze(1))
+        sel = torch.full((q_idx.shape[0], self.topk), -1, dtype=torch.long,
+                         device=q_idx.device)
         spans = []
         if meta.num_decodes:
             spans.append((0, meta.num_decodes, 0, meta.num_decode_tokens, meta.num_kv_blocks))
         for c in meta.prefill_chunks:
-            nb = block_count(c.max_len, k_cache.shape[1], meta.block_table.shape[1])
+            nb = block_count(c.max_len, idx_cache.shape[1], meta.block_table.shape[1])
             spans.append((c.req_start, c.req_end, c.tok_start, c.tok_end, nb))
         for r0, r1, t0, t1, nb in spans:
-            o, s = self._span(q, q_idx, weights, kv_cache, meta, r0, r1, t0, t1, nb)
-            out[t0:t1] = o
-            sel[t0:t1] = s
-        return out, sel
+            chosen = self._select_span(q_idx[t0:t1], weights[t0:t1], idx_cache, meta, r0, r1,
+                                       t0, nb)
+            sel[t0:t1, :chosen.shape[1]] = chosen
+        return sel
 
-    def _span(self, q, q_idx, weights, kv_cache, meta, r0, r1, t0, t1, nb):
-        k_cache, v_cache, i_cache = kv_cache
+    def _select_span(self, q_idx: torch.Tensor, weights: torch.Tensor, idx_cache: torch.Tensor,
+                     meta: SparseIndexerMetadata, r0: int, r1: int, t0: int,
+                     nb: int) -> torch.Tensor:
+        """int64 [Tc, min(topk, nb * block_size)]: the top positions of tokens [t0, t0 + Tc)
+        of rows [r0, r1) over their first `nb` blocks (-1 past the visible keys)."""
+        tc = q_idx.shape[0]
         qsl = meta.query_start_loc[r0 : r1 + 1] - t0
-        req = token_request_index(qsl, t1 - t0)
+        req = token_request_index(qsl, tc)
         pos = token_positions(qsl, meta.seq_lens[r0:r1], req)
-        valid = meta.slot_mapping[t0:t1] >= 0
-        bt = meta.block_table[r0:r1]
-        keys = gather_paged(i_cache, bt, nb)[req, :, 0]  # [Tc, L, Di]
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        logits = torch.einsum("thd,tld->thl", q_idx[t0:t1].to(cdt), keys.to(cdt)).relu()
-        score = torch.einsum("thl,th->tl", logits, weights[t0:t1].to(cdt))
-        lpos = torch.arange(keys.shape[1], device=q.device)
-        visible = (lpos <= pos[:, None]) & valid[:, None]
-        score = score.masked_fill(~visible, float("-inf"))
+        valid = meta.slot_mapping[t0 : t0 + tc] >= 0
+        keys = gather_paged(idx_cache, meta.block_table[r0:r1], nb)[req, :, 0]  # [Tc, L, Di]
+        cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+        logits = torch.einsum("thd,tld->thl", q_idx.to(cdt), keys.to(cdt)).relu()
+        score = torch.einsum("thl,th->tl", logits, weights.to(cdt))
+        lpos = torch.arange(keys.shape[1], device=q_idx.device)
+        score = score.masked_fill(~((lpos <= pos[:, None]) & valid[:, None]), float("-inf"))
         kk = min(self.topk, keys.shape[1])
-        top = score.topk(kk, dim=-1)
+        top = score.topk(kk, dim=-1).indices
         count = torch.where(valid, torch.clamp(pos + 1, max=kk), 0)
-        chosen = torch.where(torch.arange(kk, device=q.device) < count[:, None], top.indices, -1)
-        tc = t1 - t0
-        slots = cache_slots(bt[req], chosen, k_cache.shape[1]).to(torch.int32)
-        o = torch.ops.graphattn.paged_attention(
-            q[t0:t1], k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1),
-            torch.arange(tc + 1, dtype=torch.int32, device=q.device), count.to(torch.int32),
-            slots, meta.slot_mapping[t0:t1], self.scale, tc, 1, kv_bounds(kk, kk), 0, 0.0, None,
-            self.kernel)
-        sel = torch.full((tc, self.topk), -1, dtype=torch.long, device=q.device)
-        sel[:, :kk] = chosen
-        return o, sel
+        return torch.where(torch.arange(kk, device=q_idx.device) < count[:, None], top, -1)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               sel: torch.Tensor, meta: SparseIndexerMetadata) -> torch.Tensor:
+        """Attention of each token over its selected positions only.
+
+        One ``torch.ops.graphattn.paged_attention`` call: every token a one-query row whose
+        pages are its selected cache slots (the caches viewed as pages of one slot).
+
+        Parameters
+        ----------
+        q : [T, H, D]
+        k_cache, v_cache : [blocks + 1, block_size, Hkv, D] and [..., Dv] (views allowed:
+            the latent cache's value part)
+        sel : int64 [T, topk] from `select`
+
+        Returns
+        -------
+        torch.Tensor
+            [T, H, Dv]; padded tokens give 0.
+        """
+        t, topk = sel.shape
+        req = token_request_index(meta.query_start_loc, t)
+        count = (sel >= 0).sum(-1).to(torch.int32)
+        slots = cache_slots(meta.block_table[req], sel.clamp(min=0), k_cache.shape[1])
+        return torch.ops.graphattn.paged_attention(
+            q, k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1),
+            torch.arange(t + 1, dtype=torch.int32, device=q.device), count,
+            slots.to(torch.int32), meta.slot_mapping[:t], self.scale, t, 1,
+            kv_bounds(topk, topk), 0, 0.0, None, self.kernel)

@@ -24,6 +24,7 @@ from torch import nn
 
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 from graphattn.backends.reference import allocate_kv_cache, cache_dtype, is_fp8
+from graphattn.models.hf_dsa import SparseLatentAttention, indexer_refusal, indexers
 from graphattn.models.hf_mla import LatentAttention, mla_layout
 
 __all__ = ["ATTN_NAME", "CHECKED", "SUPPORTED", "SWEPT", "HFCausalLM", "check_supported",
@@ -33,7 +34,8 @@ ATTN_NAME = "graphattn_paged"
 # model types checked against the model's own generate() token for token (tests)
 CHECKED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi", "phi3",
            "phimoe", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "granite", "cohere",
-           "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss", "deepseek_v2", "deepseek_v3")
+           "starcoder2", "gpt2", "gptj", "gpt_neox", "gpt_oss", "deepseek_v2", "deepseek_v3",
+           "deepseek_v32")
 # decided by `python -m bench.hf_families --sweep`: any causal-LM family in a generic tiny
 # config (windows of 8 tokens) against its own generate(), tokens and logits
 SWEPT = ("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "cohere2", "ernie4_5",
@@ -52,9 +54,6 @@ _REASONS = {
                "HFEncoderDecoder",
     "gpt_neo": "its local-attention layers give other tokens than its generate() here",
     "gpt_bigcode": "multi-query attention is not read from its config here",
-    "deepseek_v32": "DeepSeek sparse attention: its indexer's top-k selection is not wired to "
-                    "the sparse_indexer backend here (dense latent attention gives other "
-                    "tokens)",
     "deepseek_v4": "compressed sparse attention with sliding windows, which no graphattn "
                    "backend implements",
     "llama4_text": "chunked local attention and attention-temperature tuning past lengths "
@@ -78,7 +77,7 @@ def check_supported(model: nn.Module) -> None:
     if mtype in SUPPORTED and head is not None and name != head:
         raise ValueError(f"{name} (model_type {mtype!r}) is not a causal-LM head: "
                          f"graphattn.models.hf serves {head}, whose logits it samples")
-    refusal = _config_refusal(cfg) if mtype in SUPPORTED else None
+    refusal = _config_refusal(cfg) or indexer_refusal(model) if mtype in SUPPORTED else None
     if refusal is not None:
         raise ValueError(f"{name} (model_type {mtype!r}) is not supported with this config: "
                          f"{refusal}")
@@ -141,7 +140,8 @@ def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if ctx.latent is not None:  # multi-head latent attention (DeepSeek)
         nope = ctx.latent.layout.qk_nope_head_dim
         out = ctx.latent(module, query[0], key[0, 0, :, nope:], scaling,
-                         ctx.caches[module.layer_idx], kwargs["graphattn_metadata"])
+                         ctx.caches[module.layer_idx], kwargs["graphattn_metadata"],
+                         kwargs.get("indices"))
         return out.unsqueeze(0), None
     q = query[0].transpose(0, 1)
     if id(module) in getattr(ctx, "cross_layer_of", ()):  # an encoder-decoder's cross layer
@@ -225,9 +225,11 @@ class HFCausalLM:
         self.last_hidden_states: torch.Tensor | None = None
         self._impls: dict[tuple, PagedAttentionImpl] = {}
         layout = mla_layout(model)
-        self.latent = None if layout is None else LatentAttention(model, layout)
-        if self.latent is not None:
-            self.backends = ("mla",)
+        self.latent: LatentAttention | None = None
+        if layout is not None and indexers(model):  # DeepSeek sparse attention
+            self.latent, self.backends = SparseLatentAttention(model, layout), ("sparse_indexer",)
+        elif layout is not None:
+            self.latent, self.backends = LatentAttention(model, layout), ("mla",)
 
     @staticmethod
     def check(model: nn.Module) -> None:
@@ -268,24 +270,24 @@ class HFCausalLM:
         if not self.caches:
             raise ValueError("call allocate_caches(num_blocks, block_size) first")
         _check_inference(self.model)
-        first = self.caches[0] if self.latent is not None else self.caches[0][0]
+        first = self.caches[0]
+        first = first[0] if isinstance(first, tuple) else first
         if first.dtype != self.model.dtype and not is_fp8(first.dtype):
             raise ValueError(f"KV caches are {first.dtype} but the model is now "
                              f"{self.model.dtype}: call allocate_caches after casting the model")
         cfg = self.model.config
         user_impl = cfg._attn_implementation
         user_experts = getattr(cfg, "_experts_implementation", None)
-        cfg._attn_implementation = ATTN_NAME  # only while our forward runs
-        if self.latent is not None:
-            self.latent.recording = True
-        if hasattr(cfg, "_experts_implementation"):
-            cfg._experts_implementation = EXPERTS_IMPLEMENTATION
         try:
+            cfg._attn_implementation = ATTN_NAME  # only while our forward runs
+            if hasattr(cfg, "_experts_implementation"):
+                cfg._experts_implementation = EXPERTS_IMPLEMENTATION
+            extra = {} if self.latent is None else self.latent.begin(self.caches, attn_metadata)
             # the model's own forward: embedding scales, per-layer rope, logit scaling and
             # softcaps are the model's; no HF cache and no mask (our name has no mask
             # function, so transformers builds none)
-            keep = {} if "logits_indices" not in inputs else {
-                "logits_to_keep": inputs["logits_indices"]}
+            keep = extra if "logits_indices" not in inputs else {
+                **extra, "logits_to_keep": inputs["logits_indices"]}
             if self.keep_hidden_states:
                 keep["output_hidden_states"] = True
             out = self.model(input_ids=inputs["input_ids"][None],
@@ -296,7 +298,7 @@ class HFCausalLM:
             return out.logits[0]
         finally:
             if self.latent is not None:
-                self.latent.recording = False
+                self.latent.end()
             cfg._attn_implementation = user_impl
             if hasattr(cfg, "_experts_implementation"):
                 cfg._experts_implementation = user_experts

@@ -60,7 +60,7 @@ class LatentAttention:
         self.layout = layout
         self.recording = False
         self._latent: dict[int, torch.Tensor] = {}
-        self._impls: dict[float, MLAImpl] = {}
+        self._impls: dict[float, Any] = {}
         for module in model.modules():
             if hasattr(module, "kv_a_layernorm") and hasattr(module, "kv_b_proj"):
                 module.kv_a_layernorm.register_forward_hook(self._hook(module.layer_idx))
@@ -79,18 +79,38 @@ class LatentAttention:
                                   dtype, device) for _ in range(num_layers)]
 
     def __call__(self, module: nn.Module, query: torch.Tensor, k_pe: torch.Tensor,
-                 scaling: float, cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+                 scaling: float, cache: Any, meta: MLAMetadata,
+                 indices: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of one layer: `query` [H, T, nope + rope] and `k_pe` [T, rope] (both
-        rotated); returns [T, H, v_head_dim]."""
+        rotated); `indices`: what the layer's indexer returned, if it has one (see
+        `graphattn.models.hf_dsa`). Returns [T, H, v_head_dim]."""
         lo = self.layout
         nope, lora = lo.qk_nope_head_dim, lo.kv_lora_rank
         w = module.kv_b_proj.weight.view(lo.num_heads, nope + lo.v_head_dim, lora)
         q = query.transpose(0, 1)  # [T, H, nope + rope]
         q_lat = torch.einsum("thn,hnl->thl", q[..., :nope], w[:, :nope])
+        kv_c = self._latent.pop(module.layer_idx).to(q.dtype)
+        out = self.attend(torch.cat([q_lat, q[..., nope:]], -1), kv_c, k_pe, float(scaling),
+                          cache, meta, indices)
+        return torch.einsum("thl,hvl->thv", out, w[:, nope:])
+
+    def attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, scaling: float,
+               cache: Any, meta: MLAMetadata, indices: torch.Tensor | None) -> torch.Tensor:
+        """Absorbed queries [T, H, kv_lora_rank + rope] over the latent cache (writing this
+        step's ``[kv_c | k_pe]`` first); [T, H, kv_lora_rank]."""
         impl = self._impls.get(scaling)
         if impl is None:
-            impl = self._impls[scaling] = MLAImpl(lo.num_heads, lora, lo.qk_rope_head_dim,
-                                                  float(scaling))
-        kv_c = self._latent.pop(module.layer_idx).to(q.dtype)
-        out = impl.forward(torch.cat([q_lat, q[..., nope:]], -1), kv_c, k_pe, cache, meta)
-        return torch.einsum("thl,hvl->thv", out, w[:, nope:])
+            lo = self.layout
+            impl = self._impls[scaling] = MLAImpl(lo.num_heads, lo.kv_lora_rank,
+                                                  lo.qk_rope_head_dim, scaling)
+        return impl.forward(q, kv_c, k_pe, cache, meta)
+
+    def begin(self, caches: list[Any], meta: Any) -> dict[str, Any]:
+        """Start recording for one forward of the wrapper over `caches`; returns the extra
+        keyword arguments the model's forward takes."""
+        self.recording = True
+        return {}
+
+    def end(self) -> None:
+        self.recording = False
+        self._latent.clear()

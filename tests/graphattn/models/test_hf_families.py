@@ -150,7 +150,7 @@ REFUSED = {
     "LlamaForTokenClassification": ("LlamaConfig", {}, "not a causal-LM head"),
     "MambaForCausalLM": ("MambaConfig", {"num_hidden_layers": 1},
                          "keep a recurrent state, not a KV cache"),
-    "DeepseekV32ForCausalLM": ("DeepseekV32Config", {}, "sparse attention: its indexer"),
+    "DeepseekV4ForCausalLM": ("DeepseekV4Config", {}, "compressed sparse attention"),
 }
 
 

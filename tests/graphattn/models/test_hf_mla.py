@@ -38,7 +38,7 @@ def build(variant, device="cpu", dtype=torch.float32):
     return ref
 
 
-def serve(ref, device, new=20, debug_sync=False):
+def serve(ref, device, new=20, debug_sync=False, backend="mla"):
     """Each request's greedy tokens through GraphRunner (chunked prefills of 4 tokens)."""
     from graphattn.models.hf import HFCausalLM
 
@@ -47,7 +47,7 @@ def serve(ref, device, new=20, debug_sync=False):
     hf.allocate_caches(st.num_kv_blocks, 8)
     runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(1, 2, 4), length_boundaries=(64,), mixed_token_sizes=(16,))))
-    assert runner.backend == "mla"
+    assert runner.backend == backend
     runner.capture(progress=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (5, 11, 3, 7)]

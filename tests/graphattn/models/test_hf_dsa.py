@@ -1,0 +1,74 @@
+"""DeepSeek-V3.2 (latent attention + the lightning indexer's top-k) through HFCausalLM on the
+sparse-indexer backend: the model's own forward, paged latent and index caches, the top-k
+selection on the device; token for token with its own generate() (chunked prefills of 4
+requests, selections narrower than the sequences), every step under no_host_sync()."""
+
+import pytest
+import torch
+
+from tests.graphattn.models.test_hf_mla import COMMON, YARN, expected, serve
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV32ForCausalLM"):
+    pytest.skip("this transformers has no DeepSeek-V3.2", allow_module_level=True)
+
+DSA = dict(n_group=2, topk_group=1, q_lora_rank=24, index_n_heads=16, index_head_dim=16)
+VARIANTS = {
+    "topk6": {**DSA, "index_topk": 6},
+    "topk3_yarn": {**DSA, "index_topk": 3, "rope_scaling": YARN},
+    "topk64": {**DSA, "index_topk": 64},  # wider than every sequence: dense
+}
+
+
+def build(variant, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV32Config(**{**COMMON, **VARIANTS[variant]})
+    ref = transformers.DeepseekV32ForCausalLM(cfg).to(device, dtype).eval()
+    ref.config._attn_implementation = "eager"
+    ref.generation_config.eos_token_id = None
+    return ref
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_deepseek_v32_matches_its_own_generate_on_the_sparse_indexer_backend(variant):
+    ref = build(variant)
+    prompts, got = serve(ref, "cpu", backend="sparse_indexer")
+    assert got == expected(ref, prompts, "cpu")
+
+
+def test_the_selection_is_what_decides_the_tokens():
+    """A narrow top-k gives other tokens than a dense one (so the match above tests it)."""
+    narrow, dense = build("topk3_yarn"), build("topk3_yarn")
+    dense.config.index_topk = 64
+    for layer in dense.model.layers:
+        layer.self_attn.indexer.index_topk = 64
+    prompts, got = serve(narrow, "cpu", backend="sparse_indexer")
+    assert got != expected(dense, prompts, "cpu")
+
+
+def test_deepseek_v32_leaves_the_users_model_as_it_was():
+    from graphattn.models.hf import HFCausalLM
+
+    ref = build("topk6")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    before = ref(ids).logits
+    hf = HFCausalLM(ref)
+    assert hf.backends == ("sparse_indexer",)
+    torch.testing.assert_close(ref(ids).logits, before, rtol=0, atol=0)
+    assert not hf.latent._latent
+
+
+def test_an_indexer_it_cannot_rebuild_is_refused_when_wrapping():
+    from graphattn.models.hf import HFCausalLM
+
+    ref = build("topk6")
+    del ref.model.layers[1].self_attn.indexer.k_norm
+    with pytest.raises(ValueError, match="indexer DeepseekV32Indexer lacks k_norm"):
+        HFCausalLM(ref)
+
+
+@pytest.mark.cuda
+def test_deepseek_v32_under_cuda_graphs_with_no_host_sync():
+    ref = build("topk6", "cuda")
+    prompts, got = serve(ref, "cuda", debug_sync=True, backend="sparse_indexer")
+    assert got == expected(ref, prompts, "cuda")
