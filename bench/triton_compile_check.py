@@ -35,12 +35,11 @@ from graphattn.backends.triton_kernels import (
 )
 
 POINTERS = {
-    "out": "*bf16", "lse_out": "*bf16", "part_out": "*fp32", "part_lse": "*fp32",
+    "out": "*bf16", "part_out": "*fp32", "part_lse": "*fp32",
     "q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_table": "*i32",
     "seq_lens": "*i32", "query_start_loc": "*i32", "sinks": "*fp32", "k": "*bf16",
     "v": "*bf16", "slot_mapping": "*i64", "qkv": "*bf16", "positions": "*i64",
-    "inv_freq": "*fp32", "q_out": "*bf16", "kv_start": "*i32", "prefix_table": "*i32",
-    "key_hi": "*i32", "key_lo": "*i32",
+    "inv_freq": "*fp32", "q_out": "*bf16", "kv_start": "*i32", "shared_rows": "*i32",
 }
 FP8_CACHES = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
 FLOATS = {"scale", "softcap", "k_scale", "v_scale"}
@@ -87,7 +86,7 @@ def main() -> None:
         tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128) if uniform else dict(
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
-                      USE_WINDOW=win, USE_SINKS=sinks, WRITE_LSE=False, USE_PDL=pdl,
+                      USE_WINDOW=win, USE_SINKS=sinks, USE_PDL=pdl,
                       ROPE_APPEND=False, USE_KV_START=False, FP8=False)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
@@ -98,31 +97,32 @@ def main() -> None:
                                                        (False, True), (False, True)):
         consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      WRITE_LSE=False, USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
+                      USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
                       FP8=fp8)
         print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True))
     for uniform, fp8 in itertools.product((False, True), repeat=2):
-        # shared-prefix attention's suffix pass (each row from its kv_start, LSE written),
-        # and reads of an fp8 cache
+        # shared-prefix attention's suffix pass (each row from its kv_start, its partials
+        # beside the prefix's), and reads of an fp8 cache
         tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64) if uniform else dict(
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
-        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=False, USE_SOFTCAP=False,
-                      USE_WINDOW=False, USE_SINKS=False, WRITE_LSE=True, USE_PDL=False,
+        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=True, USE_SOFTCAP=False,
+                      USE_WINDOW=False, USE_SINKS=False, USE_PDL=uniform,
                       ROPE_APPEND=False, USE_KV_START=True, FP8=fp8)
         print("suffix", {"UNIFORM": uniform, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2))
     for win, fp8 in itertools.product((False, True), repeat=2):
         consts = dict(G=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, BLOCK_M=64,
-                      BLOCK_N=64, PAGE=16, USE_SOFTCAP=False, USE_WINDOW=win)
+                      BLOCK_N=64, PAGE=16, ROWS_PAD=128, LOG_ROWS=8, USE_SOFTCAP=False,
+                      USE_WINDOW=win)
         print("shared_prefix", {"USE_WINDOW": win, "fp8": fp8},
               build(shared_prefix_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4))
     for sinks, pdl in itertools.product((False, True), repeat=2):
         consts = dict(HEAD_DIM_V=64, DV_PAD=64, NUM_SPLITS=3, S_PAD=4, USE_SINKS=sinks,
-                      WRITE_LSE=False, USE_PDL=pdl)
+                      USE_PDL=pdl)
         print("merge", consts, build(merge_splits_kernel, consts, target, num_warps=4,
                                      launch_pdl=pdl))
     for fp8 in (False, True):

@@ -21,17 +21,15 @@ from graphattn.backends.reference import (
     cascade_paged_attention,
     gather_paged_attention,
     is_fp8,
-    shared_prefix_bounds,
     write_to_cache,
 )
 from graphattn.backends.rope import apply_rope, cos_sin
 from graphattn.backends.triton_launch import (
     check_contiguous_caches,
     launch_rope_write_kv,
-    launch_shared_prefix,
     launch_write_kv,
-    merge_shared_prefix,
     triton_attention,
+    triton_cascade,
 )
 
 __all__ = ["cascade_attention", "kv_bounds", "paged_attention", "rope_paged_decode",
@@ -163,7 +161,8 @@ def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
 def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
-                      kv_bounds: torch.Tensor, shared_rows: torch.Tensor, shared_prefix: int,
+                      num_decodes: int, decode_query_len: int, kv_bounds: torch.Tensor,
+                      shared_rows: torch.Tensor, shared_prefix: int,
                       window: int, softcap: float, sinks: torch.Tensor | None,
                       kernel: str, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """`paged_attention` with a prefix that a group of rows shares, read once per KV head.
@@ -172,7 +171,8 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     blocks (read-only: below each one's computed tokens); the prefix's keys are read once
     for all their tokens through the first such row's block table, each row's own keys
     from position `shared_prefix` on (from 0 outside the group), and the two partial
-    softmaxes are merged by their log-sum-exp. Sinks count once (in the suffix pass).
+    softmaxes are merged by their log-sum-exp (`triton_cascade`: three launches). Sinks
+    count once.
 
     Parameters
     ----------
@@ -196,38 +196,17 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
             scale * k_scale, num_kv_blocks, shared_rows, shared_prefix, window, softcap, sinks),
             v_scale).contiguous()
-    return _scaled(_triton_cascade(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                   scale * k_scale, max_len, shared_rows, shared_prefix, window,
-                                   softcap, sinks), v_scale)
-
-
-def _triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, scale: float, max_len: int,
-                    shared_rows: torch.Tensor, shared_prefix: int, window: int, softcap: float,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
-    """The prefix pass (`launch_shared_prefix`), the suffix pass (the unified kernel from
-    each row's kv_start) and their merge."""
-    t, h = q.shape[:2]
-    req, hi, lo = shared_prefix_bounds(query_start_loc, seq_lens, t, window)
-    member = shared_rows.long()[req] > 0
-    leader = block_table.index_select(0, shared_rows.long().argmax().view(1))[0]
-    key_hi = torch.where(member, hi.clamp(max=shared_prefix), 0).to(torch.int32)
-    part, part_lse = launch_shared_prefix(q, k_cache, v_cache, leader.contiguous(), key_hi,
-                                          lo.to(torch.int32) if window > 0 else None,
-                                          shared_prefix, scale, softcap)
-    lse_s = torch.empty(t * h, dtype=torch.float32, device=q.device)
-    start = torch.where(shared_rows > 0, shared_prefix, 0).to(torch.int32)
-    o_s = triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
-                           0, max_len, window, softcap, sinks, kv_start=start, lse=lse_s)
-    return merge_shared_prefix(part, part_lse, o_s, lse_s, query_start_loc,
-                               block_table.shape[0])
+    rows = block_table.shape[0]
+    uniform = decode_query_len if num_decodes == rows and rows else 0
+    return _scaled(triton_cascade(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                  scale * k_scale, uniform, max_len, shared_rows, shared_prefix,
+                                  window, softcap, sinks), v_scale)
 
 
 @cascade_attention.register_fake
 def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      kv_bounds, shared_rows, shared_prefix, window, softcap, sinks, kernel, k_scale=1.0,
-      v_scale=1.0):
+      num_decodes, decode_query_len, kv_bounds, shared_rows, shared_prefix, window, softcap,
+      sinks, kernel, k_scale=1.0, v_scale=1.0):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 

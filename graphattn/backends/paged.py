@@ -303,8 +303,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.shared_prefix:
         return torch.ops.graphattn.cascade_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-            meta.slot_mapping, scale, meta.kv_bounds, meta.shared_rows, meta.shared_prefix,
-            window, softcap, sinks, kernel, k_scale, v_scale)
+            meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.kv_bounds,
+            meta.shared_rows, meta.shared_prefix, window, softcap, sinks, kernel, k_scale,
+            v_scale)
     return torch.ops.graphattn.paged_attention(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
         meta.slot_mapping, scale, meta.num_decodes, meta.decode_query_len, meta.kv_bounds,

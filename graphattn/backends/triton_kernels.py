@@ -108,11 +108,11 @@ def _online_softmax_tile(s, m_i, l_i, acc, qv, v_cache, page, slot, v_head, stri
 
 @triton.jit
 def unified_attention_kernel(
-    out, lse_out, part_out, part_lse,
+    out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
     positions, inv_freq, slot_mapping, kv_start,
     scale, softcap, window, k_scale, v_scale,
-    num_rows, num_heads, num_tokens, num_splits,
+    num_rows, num_heads, num_tokens, num_splits, num_parts, part_base,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -123,7 +123,7 @@ def unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
+    USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr,
 ):
     """`scale` includes an fp8 cache's K scale; `v_scale` (1 otherwise) multiplies the
@@ -131,7 +131,8 @@ def unified_attention_kernel(
     new K / V as K / k_scale and V / v_scale (`_to_cache`) and seeds from those values.
 
     USE_KV_START: each row reads keys from ``kv_start[row]`` on (the suffix pass of
-    shared-prefix attention).
+    shared-prefix attention). SPLIT: split i writes its partial at part ``part_base + i`` of
+    `num_parts` per (token, head) (the suffix pass fills the parts after the prefix's).
 
     ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
     equal to HEAD_DIM_V): `q` is the q-head view of a fused qkv [T, (H + 2 Hkv) * D] (k and
@@ -265,48 +266,70 @@ def unified_attention_kernel(
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                  o.to(out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-        if WRITE_LSE:
-            lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
-            tl.store(lse_out + tok * num_heads + head, lse, mask=m_ok)
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        base = (tok * num_heads + head) * num_splits + split
+        base = (tok * num_heads + head) * num_parts + part_base + split
         tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
                  mask=m_ok[:, None] & dv_ok[None, :])
         tl.store(part_lse + base, lse2, mask=m_ok)
 
 
 @triton.jit
+def _token_rows(query_start_loc, num_rows, tok, LOG_ROWS: tl.constexpr):
+    """Each token's row: the last r in [0, num_rows) with query_start_loc[r] <= tok (a
+    vector binary search of LOG_ROWS >= log2(num_rows) + 1 halvings)."""
+    lo = tl.zeros(tok.shape, tl.int32)
+    hi = tl.zeros(tok.shape, tl.int32) + num_rows
+    for _ in tl.static_range(LOG_ROWS):
+        mid = (lo + hi) // 2
+        go = tl.load(query_start_loc + mid, mask=mid < num_rows, other=0) <= tok
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
 def shared_prefix_kernel(
-    part_out, part_lse, q, k_cache, v_cache, prefix_table, key_hi, key_lo,
-    scale, softcap, num_tokens, num_heads, prefix_len, num_splits, num_parts,
+    part_out, part_lse, q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+    shared_rows, scale, softcap, window, num_rows, num_tokens, num_heads, prefix_len,
+    num_splits, num_parts,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    PAGE: tl.constexpr, ROWS_PAD: tl.constexpr, LOG_ROWS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     """The prefix pass of shared-prefix attention: a program owns BLOCK_M (token, head)
     pairs of one KV head and one of `num_splits` parts of the prefix, whose keys it reads
-    once for all of them through ``prefix_table`` (the group's block ids). Token t sees
-    prefix keys [key_lo[t], key_hi[t]) (key_hi 0: a token outside the group). Writes the
-    part's normalized output and log2-sum-exp to part_out [t, head, num_parts, DV_PAD] /
-    part_lse [t, head, num_parts] at part `split` (the parts past `num_splits`: the caller's,
+    once for all of them through the block table of the group's first row
+    (``shared_rows[r] > 0``). A token of a group row at position p sees prefix keys
+    [max(p + 1 - window, 0), min(p + 1, prefix_len)); other tokens none. Writes the part's
+    normalized output and log2-sum-exp to part_out [t, head, num_parts, DV_PAD] / part_lse
+    [t, head, num_parts] at part `split` (the parts past `num_splits`: the suffix pass's,
     merged by `merge_splits_kernel`)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    offs_r = tl.arange(0, ROWS_PAD)
+    member = tl.load(shared_rows + offs_r, mask=offs_r < num_rows, other=0) > 0
+    leader = tl.minimum(tl.min(tl.where(member, offs_r, ROWS_PAD), 0), num_rows - 1)
     idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = idx // G
     head = kvh * G + idx % G
     in_range = tok < num_tokens
-    hi = tl.load(key_hi + tok, mask=in_range, other=0)
+    row = _token_rows(query_start_loc, num_rows, tok, LOG_ROWS)
+    end = tl.load(query_start_loc + row + 1)
+    pos1 = tl.load(seq_lens + row) - (end - tok) + 1  # the token's position + 1
+    m_ok = (in_range & (tok < tl.load(query_start_loc + num_rows))
+            & (tl.load(shared_rows + row) > 0))
+    hi = tl.where(m_ok, tl.minimum(pos1, prefix_len), 0)
     lo = tl.zeros([BLOCK_M], tl.int32)
     if USE_WINDOW:
-        lo = tl.load(key_lo + tok, mask=in_range, other=0)
-    m_ok = in_range & (hi > 0)
+        lo = tl.maximum(pos1 - window, 0)
+    m_ok = m_ok & (hi > lo)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -322,7 +345,7 @@ def shared_prefix_kernel(
     for n0 in range(seg_lo, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        page = tl.load(prefix_table + offs_n // PAGE, mask=n_ok, other=0)
+        page = tl.load(block_table + leader * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = offs_n % PAGE
         s = _tile_logits(qv, k_cache, page, slot, kvh * stride_kh, stride_kb, stride_ks,
                          offs_d, n_ok, d_ok, scale, softcap, USE_SOFTCAP)
@@ -341,17 +364,17 @@ def shared_prefix_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    out, lse_out, part_out, part_lse, sinks, query_start_loc, num_rows, num_heads,
+    out, part_out, part_lse, sinks, query_start_loc, num_rows, num_heads,
     stride_ot, stride_oh,
     HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr, USE_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    S_PAD: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t, h] = the splits of (t, h) weighted by their softmax mass (+ the head's sink).
 
     Every split of a real token wrote its partial (an empty one with LSE -inf); padded
-    tokens (t >= query_start_loc[num_rows]) get 0 and LSE -inf, and their partials are
-    never read, so neither buffer needs filling first.
+    tokens (t >= query_start_loc[num_rows]) get 0, and their partials are never read, so
+    neither buffer needs filling first.
     """
     if USE_PDL:  # launched early: the attention kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
@@ -378,9 +401,7 @@ def merge_splits_kernel(
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out + t * stride_ot + h * stride_oh + offs_d, res.to(out.dtype.element_ty),
              mask=offs_d < HEAD_DIM_V)
-    if WRITE_LSE:
-        val = tl.where(total > 0, (m + tl.log2(total)) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_out + t * num_heads + h, val)
+
 
 
 @triton.jit

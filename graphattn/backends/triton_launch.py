@@ -18,8 +18,8 @@ from graphattn.backends.launch_config import (
 )
 from graphattn.backends.reference import is_fp8
 
-__all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_write_kv",
-           "launch_shared_prefix", "merge_shared_prefix", "triton_attention"]
+__all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_shared_prefix",
+           "launch_write_kv", "triton_attention", "triton_cascade"]
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -53,7 +53,7 @@ def _attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     consts = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
                   DV_PAD=max(16, pow2(dv)), BLOCK_Q=block_q, BLOCK_M=max(16, pow2(block_q * g)),
                   BLOCK_N=block_n, PAGE=k_cache.shape[1], UNIFORM=bool(uniform_query_len),
-                  WRITE_LSE=False, USE_PDL=cfg.pdl)
+                  USE_PDL=cfg.pdl)
     return cfg, num_tiles, num_splits, consts
 
 
@@ -64,8 +64,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      config: TritonConfig | None = None,
                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      kv_start: torch.Tensor | None = None,
-                     lse: torch.Tensor | None = None,
-                     scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                     parts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                     scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor | None:
     """Paged attention through the unified kernel (+ the split merge); see
     `torch.ops.graphattn.paged_attention` for the arguments.
 
@@ -74,14 +74,12 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     uniform rows, `PREFILL_CONFIG` otherwise); `rope`: (positions, inv_freq, slot_mapping) of
     a one-token decode launch whose `q` is the q-head view of a fused qkv
     (`rope_paged_decode`); `kv_start`: int32 [rows], each row's first key (default 0);
-    `lse`: float32 [T * H], filled with each (token, head)'s natural log-sum-exp (-inf for
-    padded tokens); `scales`: an fp8 cache's (k_scale, v_scale) (it holds K / k_scale and
-    V / v_scale): K's folds into `scale`, V's multiplies the output in the kernel, and the
-    rotary append stores its new K / V so. Returns [T, H, Dv] in q's dtype, 0 for padded
-    tokens.
+    `parts`: (part [T, H, P, DV_PAD], part_lse [T, H, P], base): write the splits' partials
+    at parts base, base + 1, ... and merge nothing (returns None; `triton_cascade`);
+    `scales`: an fp8 cache's (k_scale, v_scale): K's folds into `scale`, V's multiplies the
+    output, and the rotary append stores its new K / V divided by them. Returns [T, H, Dv]
+    in q's dtype, 0 for padded tokens.
     """
-    from graphattn.backends.triton_kernels import unified_attention_kernel
-
     t, h, d = q.shape
     dv = v_cache.shape[-1]
     if rope is not None and not (uniform_query_len == 1 and rope_fusable(d, k_cache, v_cache)):
@@ -89,119 +87,138 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
                          f"head_dim {d}, V head_dim {dv}")
     rows = block_table.shape[0]
-    if lse is not None:  # padded tokens: the kernels write real tokens' only
-        lse.fill_(float("-inf"))
     if t == 0 or rows == 0:
-        return q.new_zeros(t, h, dv)
+        return None if parts is not None else q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
     cfg, num_tiles, num_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
                                                            uniform_query_len, max_len, config)
-    consts.update(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, USE_SINKS=sinks is not None,
-                  USE_KV_START=kv_start is not None, WRITE_LSE=lse is not None,
-                  FP8=is_fp8(k_cache.dtype))
+    consts.update(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
+                  USE_SINKS=sinks is not None and parts is None,
+                  USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
+                  SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None)
     out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
-    part = part_lse = out
-    if num_splits > 1:
+    part, part_lse, base = parts or (out, out, 0)
+    if parts is None and num_splits > 1:
         part = torch.empty(t * h * num_splits, consts["DV_PAD"], dtype=torch.float32,
                            device=q.device)
         part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
+    num_parts = part_lse.shape[-1] if parts is not None else num_splits
     sink_arg = sinks if sinks is not None else out
-    lse_arg = out if lse is None else lse
-    unified_attention_kernel[(num_tiles, k_cache.shape[2], num_splits)](
-        out, lse_arg, part, part_lse, q, k_cache, v_cache, block_table, seq_lens,
-        query_start_loc, sink_arg, *(rope or (seq_lens,) * 3),
-        seq_lens if kv_start is None else kv_start, scale * scales[0],
-        softcap if softcap > 0 else 1.0, window, *map(float, scales), rows, h, t, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=cfg.pdl, ROPE_APPEND=rope is not None, **consts)
+    _launch_unified(cfg, (num_tiles, k_cache.shape[2], num_splits), consts, out, part,
+                    part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                    sink_arg, *(rope or (seq_lens,) * 3),
+                    seq_lens if kv_start is None else kv_start, scale * scales[0],
+                    softcap if softcap > 0 else 1.0, window, *map(float, scales), rows, h, t,
+                    num_splits, num_parts, base)
+    if parts is not None:
+        return None
     if num_splits > 1:
-        _merge_splits(out, lse_arg, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
-                      consts["DV_PAD"], sinks is not None, lse is not None, cfg.pdl)
+        _merge_splits(out, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
+                      consts["DV_PAD"], sinks is not None, cfg.pdl)
     return out
 
 
-def _merge_splits(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor,
-                  part_lse: torch.Tensor, sinks: torch.Tensor, query_start_loc: torch.Tensor,
-                  rows: int, num_splits: int, dv_pad: int, use_sinks: bool, write_lse: bool,
-                  pdl: bool) -> None:
+def _launch_unified(cfg: TritonConfig, grid: tuple[int, int, int], consts: dict,
+                    out: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor,
+                    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, *args: object) -> None:
+    """`unified_attention_kernel` over `grid`; `args`: its arguments from seq_lens to
+    part_base, in its order."""
+    from graphattn.backends.triton_kernels import unified_attention_kernel
+
+    unified_attention_kernel[grid](
+        out, part, part_lse, q, k_cache, v_cache, block_table, *args,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=cfg.pdl, **consts)
+
+
+def _merge_splits(out: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor,
+                  sinks: torch.Tensor, query_start_loc: torch.Tensor, rows: int,
+                  num_splits: int, dv_pad: int, use_sinks: bool, pdl: bool) -> None:
     """`merge_splits_kernel` over every (token, head) of `out`."""
     from graphattn.backends.triton_kernels import merge_splits_kernel
 
     t, h, dv = out.shape
     merge_splits_kernel[(t, h)](
-        out, lse, part, part_lse, sinks, query_start_loc, rows, h, out.stride(0),
-        out.stride(1), HEAD_DIM_V=dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits,
-        S_PAD=max(2, pow2(num_splits)), USE_SINKS=use_sinks, WRITE_LSE=write_lse,
-        USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        out, part, part_lse, sinks, query_start_loc, rows, h, out.stride(0), out.stride(1),
+        HEAD_DIM_V=dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits, S_PAD=max(2, pow2(num_splits)),
+        USE_SINKS=use_sinks, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+
+
+def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   block_table: torch.Tensor, scale: float, uniform_query_len: int,
+                   max_len: int, shared_rows: torch.Tensor, shared_prefix: int, window: int,
+                   softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Shared-prefix attention in three launches: the prefix pass (`shared_prefix_kernel`,
+    its token bounds and the group's block table found in the kernel), the suffix pass (the
+    unified kernel from each group row's `shared_prefix`, from 0 for the others, its splits'
+    partials written beside the prefix's) and one `merge_splits_kernel` over all of them
+    (the sinks counted there, once). Arguments as `torch.ops.graphattn.cascade_attention`'s;
+    returns [T, H, Dv] in q's dtype, 0 for padded tokens."""
+    t, h, _ = q.shape
+    rows, dv = block_table.shape[0], v_cache.shape[-1]
+    if t == 0 or rows == 0:
+        return q.new_zeros(t, h, dv)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _, _, suffix_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
+                                                    uniform_query_len, max_len, None)
+    part, part_lse, splits = launch_shared_prefix(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, shared_rows,
+        shared_prefix, scale, softcap, window, suffix_splits)
+    start = torch.where(shared_rows > 0, shared_prefix, 0).to(torch.int32)
+    triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+                     uniform_query_len, max_len, window, softcap, None, kv_start=start,
+                     parts=(part, part_lse, splits))
+    out = q.new_empty(t, h, dv)
+    _merge_splits(out, part, part_lse, out if sinks is None else sinks, query_start_loc, rows,
+                  part_lse.shape[-1], consts["DV_PAD"], sinks is not None, False)
+    return out
 
 
 def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         prefix_table: torch.Tensor, key_hi: torch.Tensor,
-                         key_lo: torch.Tensor | None, prefix_len: int, scale: float,
-                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, shared_rows: torch.Tensor, prefix_len: int,
+                         scale: float, softcap: float, window: int,
+                         extra_parts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The prefix pass of shared-prefix attention (`shared_prefix_kernel`): the prefix's
     keys read once per KV head for every (token, head) of a BLOCK_M tile, the prefix cut
-    into parts (grid from CPU numbers: tokens, KV heads and `prefix_len`), and one part more
-    left for the suffix pass (`merge_shared_prefix`).
+    into S parts so the grid fills the device about twice (CPU numbers: tokens, KV heads,
+    `prefix_len`), and `extra_parts` more parts left for the suffix pass.
 
     Returns
     -------
-    part : float32 [T, H, S + 1, DV_PAD]; part_lse : float32 [T, H, S + 1], log2 units
-        The prefix's S parts (-inf: nothing seen); part S is not written.
+    part : float32 [T, H, S + extra_parts, DV_PAD]; part_lse : float32 [T, H, S + extra],
+        log2 units; the prefix's S parts written (-inf: nothing seen).
+    S : int
     """
     from graphattn.backends.triton_kernels import shared_prefix_kernel
 
     t, h, d = q.shape
-    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    rows, hkv, dv = block_table.shape[0], k_cache.shape[2], v_cache.shape[-1]
     g, dv_pad = h // hkv, max(16, pow2(dv))
     block_m = max(16, min(64, pow2(t * g)))
     tiles_m = -(-t * g // block_m)
     block_n = 64 if max(d, dv) <= 128 else 32
-    # parts so the grid fills the device about twice (a CPU choice; bounded by the prefix)
     sms = num_sms(q.device) if q.device.type == "cuda" else 8
     splits = max(1, min(-(-prefix_len // (4 * block_n)), -(-2 * sms // (tiles_m * hkv))))
-    part = torch.empty(t, h, splits + 1, dv_pad, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(t, h, splits + 1, dtype=torch.float32, device=q.device)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    n = splits + extra_parts
+    part = torch.empty(t, h, n, dv_pad, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t, h, n, dtype=torch.float32, device=q.device)
     shared_prefix_kernel[(tiles_m, hkv, splits)](
-        part, part_lse, q, k_cache, v_cache, prefix_table, key_hi,
-        key_hi if key_lo is None else key_lo, scale, softcap if softcap > 0 else 1.0, t, h,
-        prefix_len, splits, splits + 1, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
+        part, part_lse, q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+        shared_rows, scale, softcap if softcap > 0 else 1.0, window, rows, t, h, prefix_len,
+        splits, n, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
         DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
-        USE_SOFTCAP=softcap > 0, USE_WINDOW=key_lo is not None, num_warps=4)
-    return part, part_lse
-
-
-def merge_shared_prefix(part: torch.Tensor, part_lse: torch.Tensor, suffix: torch.Tensor,
-                        suffix_lse: torch.Tensor, query_start_loc: torch.Tensor,
-                        rows: int) -> torch.Tensor:
-    """The prefix parts of `launch_shared_prefix` and the suffix pass's output merged by
-    their log-sum-exp (`merge_splits_kernel`; padded tokens 0).
-
-    Parameters
-    ----------
-    part, part_lse : see `launch_shared_prefix` (the last part is filled here)
-    suffix : [T, H, Dv], the suffix pass's output
-    suffix_lse : float32 [T * H], its natural log-sum-exp
-
-    Returns
-    -------
-    torch.Tensor
-        [T, H, Dv] in the suffix's dtype.
-    """
-    t, h, dv = suffix.shape
-    part[:, :, -1, :dv] = suffix
-    torch.mul(suffix_lse.view(t, h), 1.4426950408889634, out=part_lse[:, :, -1])
-    out = suffix.new_empty(t, h, dv)
-    _merge_splits(out, out, part, part_lse, out, query_start_loc, rows, part.shape[2],
-                  part.shape[3], False, False, False)
-    return out
+        ROWS_PAD=max(2, pow2(rows)), LOG_ROWS=rows.bit_length() + 1,
+        USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, num_warps=4)
+    return part, part_lse, splits
 
 
 def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -67,7 +67,9 @@ def dense_reference(q, kc, vc, table, lens, qsl, window, softcap, sinks, scale):
     return out
 
 
-def run_cascade(device, dtype, kernel, feature, shared_prefix=8, q_len=2):
+def run_cascade(device, dtype, kernel, feature, shared_prefix=8, q_len=2, uniform=True):
+    """`uniform`: every row declared a `q_len`-token decode row (the suffix pass splits each
+    row's keys); otherwise mixed rows (one tile per row's tokens)."""
     f = FEATURES[feature]
     tensors, ref_in = case(device, dtype, q_len)
     h = tensors["q"].shape[1]
@@ -79,8 +81,8 @@ def run_cascade(device, dtype, kernel, feature, shared_prefix=8, q_len=2):
         out = torch.ops.graphattn.cascade_attention(
             tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["query_start_loc"],
             tensors["seq_lens"], tensors["block_table"], tensors["slot_mapping"], scale,
-            kv_bounds(6, 24), tensors["shared_rows"], shared_prefix, window, softcap,
-            dev_sinks, kernel)
+            5 if uniform else 0, q_len, kv_bounds(6, 24), tensors["shared_rows"],
+            shared_prefix, window, softcap, dev_sinks, kernel)
     want = dense_reference(*ref_in, window, softcap, sinks, scale)
     return out, want
 
@@ -93,10 +95,11 @@ def test_torch_cascade_matches_float64_dense(feature, shared_prefix):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_triton_cascade_matches_float64_dense(feature, q_len):
-    out, want = run_cascade("cuda", torch.float32, "triton", feature, 8, q_len)
+def test_triton_cascade_matches_float64_dense(feature, q_len, uniform):
+    out, want = run_cascade("cuda", torch.float32, "triton", feature, 8, q_len, uniform)
     # float32 dots run in TF32 on tensor cores (as in test_ops' float32 rows)
     torch.testing.assert_close(out.double().cpu(), want, rtol=3e-3, atol=3e-3)
 
@@ -108,14 +111,14 @@ def test_cascade_agrees_with_its_fake_and_refuses_a_partial_block(device):
                                  "block_table", "slot_mapping")]
     if device == "cpu":
         with pytest.raises(ValueError, match="shared_prefix = 6, expected a positive multiple"):
-            torch.ops.graphattn.cascade_attention(*args, 0.3, kv_bounds(6, 24),
+            torch.ops.graphattn.cascade_attention(*args, 0.3, 5, 1, kv_bounds(6, 24),
                                                   tensors["shared_rows"], 6, 0, 0.0, None,
                                                   "torch")
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        out = torch.ops.graphattn.cascade_attention(*args, 0.3, kv_bounds(6, 24),
+        out = torch.ops.graphattn.cascade_attention(*args, 0.3, 5, 1, kv_bounds(6, 24),
                                                     tensors["shared_rows"], 8, 0, 0.0, None,
                                                     "torch")
     assert tuple(out.shape) == tuple(tensors["q"].shape)

@@ -113,8 +113,9 @@ def main() -> None:
     for spec, budget, pad in ((0, 400, (0, 0)), (2, 150, (2, 3))):  # one-slot pages
         ts.run_sparse(spec, budget, pad, "cpu", "triton", torch.float32, tol=1e-4)
     for feature in sorted(tc.FEATURES):  # shared-prefix attention: prefix and suffix passes
-        for q_len in (1, 2):
-            out, want = tc.run_cascade("cpu", torch.float32, "triton", feature, 8, q_len)
+        for q_len, uniform, prefix in ((1, True, 8), (2, True, 12), (2, False, 4)):
+            out, want = tc.run_cascade("cpu", torch.float32, "triton", feature, prefix, q_len,
+                                       uniform)
             torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     print("checked")
 
