@@ -8,8 +8,8 @@ thread: fewer programs fit an SM as they grow; a stack means spills).
 
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
 split or not, softcap / window / sinks, programmatic dependent launch), the fused
-rope + decode variant at the decode configs' tiles, the split merge and the KV writes (bf16
-and fp8 caches), with
+rope + decode variant at the decode configs' tiles, the split merge, the KV writes (bf16
+and fp8 caches), the shared-prefix pass and the sparse indexer's scores, with
 pointers and strides taken divisible by 16 as the JIT specializes them at a launch on real
 caches. The numbers are checked by tests/graphattn/backends/test_triton_interpreter.py
 (Triton's interpreter); this checks the build.
@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from graphattn.backends.triton_kernels import (
+    indexer_scores_kernel,
     merge_splits_kernel,
     rope_write_kv_kernel,
     shared_prefix_kernel,
@@ -40,6 +41,8 @@ POINTERS = {
     "seq_lens": "*i32", "query_start_loc": "*i32", "sinks": "*fp32", "k": "*bf16",
     "v": "*bf16", "slot_mapping": "*i64", "qkv": "*bf16", "positions": "*i64",
     "inv_freq": "*fp32", "q_out": "*bf16", "kv_start": "*i32", "shared_rows": "*i32",
+    "score": "*fp32", "q_idx": "*bf16", "weights": "*fp32", "idx_cache": "*bf16",
+    "row_of": "*i32", "pos_of": "*i32",
 }
 FP8_CACHES = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
 FLOATS = {"scale", "softcap", "k_scale", "v_scale"}
@@ -134,6 +137,12 @@ def main() -> None:
                     target, FP8_CACHES if fp8 else None, num_warps=4, launch_pdl=pdl)
         print("rope_write_kv", {"pdl": pdl, "fp8": fp8}, got)
         assert got["pdl_wait"] == pdl
+    for ieee in (False, True):  # DeepSeek-V3.2's indexer: 64 heads x 128 (bf16; float32)
+        f32 = {"q_idx": "*fp32", "idx_cache": "*fp32"} if ieee else None
+        print("indexer_scores", {"IEEE": ieee}, build(indexer_scores_kernel, dict(
+            HI=64, HI_PAD=64, DI=128, DI_PAD=128, BLOCK_L=32 if ieee else 64, PAGE=64,
+            IEEE=ieee), target,
+            f32, num_warps=4))
 
 
 if __name__ == "__main__":

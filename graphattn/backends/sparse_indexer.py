@@ -4,7 +4,9 @@ Each query token scores every visible key with a small indexer
 (``sum_h w[h] * relu(q_idx[h] . k_idx)``), keeps the top-k positions, and
 attends to those only. The indexer logits of a prefill are [tokens, keys]:
 prefill rows are grouped into chunks whose ``tokens * max key length`` fits a
-budget, planned on CPU from the upper bound.
+budget, planned on CPU from the upper bound. On CUDA the scores come from
+`indexer_scores_kernel` (keys read from the paged index cache, nothing gathered)
+and the attention over the selection from the unified Triton kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphattn.backends import launch_config
 from graphattn.backends.launch_config import KERNELS
 from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import (
@@ -30,6 +33,7 @@ from graphattn.backends.reference import (
     token_request_index,
     write_to_cache,
 )
+from graphattn.backends.triton_launch import indexer_scores
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 
@@ -224,13 +228,18 @@ class SparseIndexerImpl:
         req = token_request_index(qsl, tc)
         pos = token_positions(qsl, meta.seq_lens[r0:r1], req)
         valid = meta.slot_mapping[t0 : t0 + tc] >= 0
-        keys = gather_paged(idx_cache, meta.block_table[r0:r1], nb)[req, :, 0]  # [Tc, L, Di]
-        cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
-        logits = torch.einsum("thd,tld->thl", q_idx.to(cdt), keys.to(cdt)).relu()
-        score = torch.einsum("thl,th->tl", logits, weights.to(cdt))
-        lpos = torch.arange(keys.shape[1], device=q_idx.device)
-        score = score.masked_fill(~((lpos <= pos[:, None]) & valid[:, None]), float("-inf"))
-        kk = min(self.topk, keys.shape[1])
+        bt, width = meta.block_table[r0:r1], nb * idx_cache.shape[1]
+        if launch_config.resolve_kernel(self.kernel, q_idx.device) == "triton":
+            score = indexer_scores(q_idx, weights.float(), idx_cache, bt, req,
+                                   torch.where(valid, pos, -1), width)
+        else:
+            keys = gather_paged(idx_cache, bt, nb)[req, :, 0]  # [Tc, L, Di]
+            cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+            logits = torch.einsum("thd,tld->thl", q_idx.to(cdt), keys.to(cdt)).relu()
+            score = torch.einsum("thl,th->tl", logits, weights.to(cdt))
+            lpos = torch.arange(width, device=q_idx.device)
+            score = score.masked_fill(~((lpos <= pos[:, None]) & valid[:, None]), float("-inf"))
+        kk = min(self.topk, width)
         top = score.topk(kk, dim=-1).indices
         count = torch.where(valid, torch.clamp(pos + 1, max=kk), 0)
         return torch.where(torch.arange(kk, device=q_idx.device) < count[:, None], top, -1)

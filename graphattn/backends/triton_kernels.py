@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-__all__ = ["merge_splits_kernel", "rope_write_kv_kernel", "shared_prefix_kernel",
-           "unified_attention_kernel", "write_kv_kernel"]
+__all__ = ["indexer_scores_kernel", "merge_splits_kernel", "rope_write_kv_kernel",
+           "shared_prefix_kernel", "unified_attention_kernel", "write_kv_kernel"]
 
 
 @triton.jit
@@ -477,3 +477,37 @@ def rope_write_kv_kernel(
         x = tl.load(row + (H + HKV) * D + kh[:, None] * D + dd[None, :], mask=vm)
         tl.store(v_cache + slot * stride_vcs + kh[:, None] * D + dd[None, :],
                  _to_cache(x, v_scale, v_cache.dtype.element_ty, FP8), mask=vm)
+
+
+@triton.jit
+def indexer_scores_kernel(
+    score, q_idx, weights, idx_cache, block_table, row_of, pos_of, width,
+    stride_qt, stride_qh, stride_wt, stride_cb, stride_cs, stride_bt, stride_st,
+    HI: tl.constexpr, HI_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The lightning indexer's scores of one token over BLOCK_L positions of its row:
+    ``score[t, l] = sum_h weights[t, h] * relu(q_idx[t, h] . key(l))`` for l <= pos_of[t],
+    the keys read from the paged index cache through block-table row ``row_of[t]``; -inf
+    past the token's position (pos_of -1: a padded token) and up to `width`."""
+    t = tl.program_id(0)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_h = tl.arange(0, HI_PAD)
+    offs_d = tl.arange(0, DI_PAD)
+    h_ok = offs_h < HI
+    d_ok = offs_d < DI
+    row = tl.load(row_of + t)
+    vis = (offs_l < width) & (offs_l <= tl.load(pos_of + t))
+    q = tl.load(q_idx + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(weights + t * stride_wt + offs_h, mask=h_ok, other=0.0)
+    page = tl.load(block_table + row * stride_bt + offs_l // PAGE, mask=vis, other=0)
+    k = tl.load(idx_cache + page[:, None] * stride_cb + (offs_l % PAGE)[:, None] * stride_cs
+                + offs_d[None, :], mask=vis[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:  # float32 inputs: exact products (TF32 would reorder near-tied scores)
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        logits = tl.dot(q, tl.trans(k))
+    s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
+    tl.store(score + t * stride_st + offs_l, tl.where(vis, s, float("-inf")),
+             mask=offs_l < width)

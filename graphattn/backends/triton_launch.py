@@ -18,7 +18,8 @@ from graphattn.backends.launch_config import (
 )
 from graphattn.backends.reference import is_fp8
 
-__all__ = ["check_contiguous_caches", "launch_rope_write_kv", "launch_shared_prefix",
+__all__ = ["check_contiguous_caches", "indexer_scores", "launch_rope_write_kv",
+           "launch_shared_prefix",
            "launch_write_kv", "triton_attention", "triton_cascade"]
 
 
@@ -268,3 +269,40 @@ def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
         D_PAD=max(2, pow2(d)), USE_PDL=pdl, FP8=is_fp8(k_cache.dtype), num_warps=4,
         launch_pdl=pdl)
     return q
+
+
+def indexer_scores(q_idx: torch.Tensor, weights: torch.Tensor, idx_cache: torch.Tensor,
+                   block_table: torch.Tensor, row_of: torch.Tensor, pos_of: torch.Tensor,
+                   width: int) -> torch.Tensor:
+    """The lightning indexer's scores over the paged index cache (`indexer_scores_kernel`).
+
+    Parameters
+    ----------
+    q_idx : [T, Hi, Di]; weights : float32 [T, Hi]
+    idx_cache : [blocks + 1, block_size, 1, Di], q_idx's dtype
+    block_table : int32 [rows, blocks]; row_of : int [T], each token's row in it
+    pos_of : int [T], each token's position (-1: a padded token)
+    width : int
+        Positions scored per token (a CPU bound: the span's blocks x block_size).
+
+    Returns
+    -------
+    torch.Tensor
+        float32 [T, width]; -inf past each token's position.
+    """
+    from graphattn.backends.triton_kernels import indexer_scores_kernel
+
+    t, hi, di = q_idx.shape
+    score = torch.empty(t, width, dtype=torch.float32, device=q_idx.device)
+    if t == 0:
+        return score
+    if q_idx.stride(-1) != 1:
+        q_idx = q_idx.contiguous()
+    block_l = 64 if di <= 128 and q_idx.element_size() < 4 else 32
+    indexer_scores_kernel[(t, -(-width // block_l))](
+        score, q_idx, weights, idx_cache, block_table, row_of.to(torch.int32),
+        pos_of.to(torch.int32), width, q_idx.stride(0), q_idx.stride(1), weights.stride(0),
+        idx_cache.stride(0), idx_cache.stride(1), block_table.stride(0), score.stride(0),
+        HI=hi, HI_PAD=max(16, pow2(hi)), DI=di, DI_PAD=max(16, pow2(di)), BLOCK_L=block_l,
+        PAGE=idx_cache.shape[1], IEEE=q_idx.dtype == torch.float32, num_warps=4)
+    return score

@@ -2,8 +2,9 @@
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
 the K/V write, the fused rope + write + decode attention (an fp8 cache too), the rotation
-at far positions, the sparse indexer's attention over its selection (one-slot pages), and
-shared-prefix attention (the prefix pass and the suffix pass from each row's start).
+at far positions, the sparse indexer's scores over the paged index cache and its attention
+over the selection (one-slot pages), and shared-prefix attention (the prefix pass and the
+suffix pass from each row's start, uniform and mixed rows).
 The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
 error on any machine."""
 
