@@ -7,6 +7,8 @@ capture, cannot take the other rows, and no compile state leaks between groups).
 
 Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 `graphattn_compiled_graphs` (inductor-compiled forward inside our graphs),
+`graphattn_compiled_pdl` (the same with `CompileConfig(pdl=True)`: inductor's kernels with
+programmatic dependent launch),
 `graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
@@ -36,13 +38,14 @@ import numpy as np
 import torch
 
 from bench.setup import MODELS, add_shape_options, fill_requests, make_setup, set_lengths
-from graphattn import GraphRunner, RunnerConfig
+from graphattn import CompileConfig, GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.profiling import StageProfiler
 from graphattn.state import SchedulerOutput
 
 WARMUP = 5
-RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_fp8kv")
+RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
+                "graphattn_fp8kv")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -248,7 +251,8 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 
 
 GROUPS = (("graphattn_graphs", "replay_floor"),
-          ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_fp8kv",),
+          ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
+          ("graphattn_fp8kv",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -295,8 +299,9 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
             if mode == "graphattn_fp8kv":  # the compiled mode over an fp8 KV cache
                 k0 = setup.model.caches[0][0]
                 setup.model.allocate_caches(k0.shape[0] - 1, k0.shape[1], "fp8_e4m3")
+            compile_cfg = CompileConfig(enabled=True, pdl=mode == "graphattn_compiled_pdl")
             runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
-                setup.model, setup.state, RunnerConfig(policy=policy, compile=True))
+                setup.model, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))
             runner.graphs.keep_graphs = True  # node counts
             report = runner.capture(progress=False)
             out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,

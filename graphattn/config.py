@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from graphattn.buckets import BucketPolicy
 from graphattn.checks import as_index
 from graphattn.keys import CUDAGraphMode
@@ -26,6 +28,14 @@ ON_MISSING = ("eager", "error")
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def inductor_has_pdl() -> bool:
+    """Whether the installed torch's inductor can launch its Triton kernels with
+    programmatic dependent launch (``torch._inductor.config.triton.enable_pdl``)."""
+    from torch._inductor import config
+
+    return hasattr(config.triton, "enable_pdl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,12 @@ class CompileConfig:
         Refuse graph breaks in the compiled step.
     max_compiles : int
         Dynamo's recompile limit is raised to this; hitting it fails loudly.
+    pdl : bool
+        Inductor's Triton kernels launched with programmatic dependent launch
+        (``triton.enable_pdl``): each waits for its inputs inside the kernel, so its launch
+        and prologue overlap the previous kernel's tail (compute capability >= 9; inductor
+        emits plain launches elsewhere). ValueError when built if the installed torch's
+        inductor lacks the option.
     """
 
     enabled: bool = False
@@ -57,9 +73,14 @@ class CompileConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
     fullgraph: bool = True
     max_compiles: int = 256
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         _check_bool("CompileConfig.enabled", self.enabled)
+        _check_bool("CompileConfig.pdl", self.pdl)
+        if self.pdl and not inductor_has_pdl():
+            raise ValueError(f"CompileConfig.pdl = True needs inductor's triton.enable_pdl, "
+                             f"which torch {torch.__version__} lacks")
         _check_bool("CompileConfig.fullgraph", self.fullgraph)
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"CompileConfig.backend must be a backend name, got "
@@ -81,6 +102,8 @@ class CompileConfig:
             from torch._inductor import list_mode_options
 
             opts.update(list_mode_options(self.mode))
+        if self.pdl:
+            opts["triton.enable_pdl"] = True
         opts.update(self.options)
         opts["triton.cudagraphs"] = False
         return opts

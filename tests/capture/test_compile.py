@@ -142,3 +142,42 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile():
             seq[s].append(int(out.sampled[j]))
         sched = SchedulerOutput(slots, np.ones(2, np.int32))
     assert runner.compiler.num_compiles == 1
+
+
+@pytest.mark.cuda
+def test_compiled_kernels_launch_with_pdl_and_stay_right():
+    """CompileConfig(pdl=True): inductor's Triton kernels wait for their inputs in the kernel
+    (gdc_wait) and the replayed steps give the reference logits, with no host read."""
+    import numpy as np
+    from torch._inductor.utils import run_and_get_code
+
+    from graphattn import CompileConfig, GraphRunner, RunnerConfig
+    from graphattn.buckets import BucketPolicy
+    from graphattn.models.tiny import TinyConfig, TinyDecoder
+    from graphattn.state import RequestState, SchedulerOutput
+    from graphattn.sync import no_host_sync
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2)).cuda()
+    st = RequestState(2, 32, 8, "cuda")
+    model.allocate_caches(8, 8)
+    runner = GraphRunner(model, st, RunnerConfig(
+        policy=BucketPolicy(capture_sizes=(2,), length_boundaries=(16,)),
+        compile=CompileConfig(enabled=True, pdl=True)))
+    _, codes = run_and_get_code(runner.capture, progress=False)
+    assert "gdc_wait" in "\n".join(codes)
+    seq = {runner.add_request("a", [3, 1, 4]): [3, 1, 4], runner.add_request("b", [5, 9]): [5, 9]}
+    slots = np.array(sorted(seq), np.int32)
+    sched = SchedulerOutput(slots, np.array([len(seq[s]) for s in slots]))
+    for i in range(5):
+        with no_host_sync():
+            out = runner.step(sched)
+        assert out.replayed == (i > 0)
+        for j, s in enumerate(slots):
+            ref = model.reference_logits(torch.tensor(seq[s], device="cuda"))[-1]
+            torch.testing.assert_close(out.logits[j], ref, rtol=2e-3, atol=2e-3)
+            seq[s].append(int(out.sampled[j]))
+        sched = SchedulerOutput(slots, np.ones(2, np.int32))

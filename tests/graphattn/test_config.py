@@ -1,0 +1,25 @@
+"""RunnerConfig / CompileConfig: what each option turns into, and refusals that name the
+option, the expected and the actual value."""
+
+import pytest
+
+import graphattn.config as config
+from graphattn import CompileConfig
+
+
+def test_pdl_turns_on_inductors_programmatic_dependent_launch():
+    opts = CompileConfig(enabled=True, pdl=True).inductor_options()
+    assert opts["triton.enable_pdl"] is True and opts["triton.cudagraphs"] is False
+    assert "triton.enable_pdl" not in CompileConfig(enabled=True).inductor_options()
+    # an explicit option wins over the flag
+    opts = CompileConfig(enabled=True, pdl=True, options={"triton.enable_pdl": False})
+    assert opts.inductor_options()["triton.enable_pdl"] is False
+
+
+def test_pdl_is_refused_where_inductor_lacks_it(monkeypatch):
+    monkeypatch.setattr(config, "inductor_has_pdl", lambda: False)
+    with pytest.raises(ValueError, match="CompileConfig.pdl = True needs inductor's "
+                                         "triton.enable_pdl, which torch .* lacks"):
+        CompileConfig(enabled=True, pdl=True)
+    with pytest.raises(ValueError, match="CompileConfig.pdl must be a bool"):
+        CompileConfig(pdl="yes")
