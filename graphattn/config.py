@@ -65,6 +65,12 @@ class CompileConfig:
         and prologue overlap the previous kernel's tail (compute capability >= 9; inductor
         emits plain launches elsewhere). ValueError when built if the installed torch's
         inductor lacks the option.
+    compile_threads : int, optional
+        Inductor's compile workers while the runner compiles (``compile_threads``). None:
+        inductor's default, a worker pool (pays on a cold cache, where kernels compile); 1:
+        every kernel compiles in this process and no pool starts, the fast path when
+        inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) already holds the kernels: a warm
+        start then skips the pool's start-up (`bench.warm_start --compile-threads 1`).
     """
 
     enabled: bool = False
@@ -74,6 +80,7 @@ class CompileConfig:
     fullgraph: bool = True
     max_compiles: int = 256
     pdl: bool = False
+    compile_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check_bool("CompileConfig.enabled", self.enabled)
@@ -94,6 +101,8 @@ class CompileConfig:
                              f"{type(self.options).__name__}")
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
         as_index("CompileConfig.max_compiles", self.max_compiles, 1)
+        if self.compile_threads is not None:
+            as_index("CompileConfig.compile_threads", self.compile_threads, 1)
 
     def inductor_options(self) -> dict[str, Any]:
         """The inductor options of `mode` and `options` (`options` win); CUDA graphs off."""
@@ -104,6 +113,8 @@ class CompileConfig:
             opts.update(list_mode_options(self.mode))
         if self.pdl:
             opts["triton.enable_pdl"] = True
+        if self.compile_threads is not None:
+            opts["compile_threads"] = self.compile_threads
         opts.update(self.options)
         opts["triton.cudagraphs"] = False
         return opts

@@ -76,7 +76,7 @@ for part in "$@"; do
     warm)
       python3 -m bench.warm_start --device cuda --out "$OUT" 2>&1 | tee "$OUT/warm_start.txt"
       rc=$((rc | PIPESTATUS[0]))
-      python3 -m bench.warm_start --device cuda --compile-threads 1 --out "$OUT" 2>&1 \
+      python3 -m bench.warm_start --device cuda --warm-compile-threads 1 --out "$OUT" 2>&1 \
         | tee -a "$OUT/warm_start.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     startup)

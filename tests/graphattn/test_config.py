@@ -23,3 +23,13 @@ def test_pdl_is_refused_where_inductor_lacks_it(monkeypatch):
         CompileConfig(enabled=True, pdl=True)
     with pytest.raises(ValueError, match="CompileConfig.pdl must be a bool"):
         CompileConfig(pdl="yes")
+
+
+def test_compile_threads_reach_inductor_and_bad_counts_are_refused():
+    opts = CompileConfig(enabled=True, compile_threads=1).inductor_options()
+    assert opts["compile_threads"] == 1
+    assert "compile_threads" not in CompileConfig(enabled=True).inductor_options()
+    for bad, match in ((0, "CompileConfig.compile_threads = 0, expected >= 1"),
+                       (2.0, "CompileConfig.compile_threads must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            CompileConfig(enabled=True, compile_threads=bad)
