@@ -476,7 +476,9 @@ class GraphRunner:
         if not sizes or not shape.uniform_decode or fixed:
             return shape, None
         prefix, shared = plan_shared_prefix(self.state, sched.req_slots, sizes)
-        return (dataclasses.replace(shape, shared_prefix=prefix) if prefix else shape), shared
+        if not prefix:
+            return shape, None
+        return dataclasses.replace(shape, shared_prefix=prefix), np.where(shared, prefix, 0)
 
     def _plan(self, sched: SchedulerOutput, shape: BatchShape, key: GraphKey | None,
               drafts: Any, shared: np.ndarray | None = None) -> BatchPlan:

@@ -55,8 +55,8 @@ class BatchPlan:
     num_draft_tokens_np : np.ndarray
         int32 [num_reqs_padded]: speculative tokens of each row (0 without).
     shared_rows_np : np.ndarray
-        int32 [num_reqs_padded]: 1 for the rows of the group that reads the step's shared
-        prefix once (`graphattn.cascade`), 0 elsewhere.
+        int32 [num_reqs_padded]: the shared prefix's tokens for the rows of the group that
+        reads it once (`graphattn.cascade`; each such row's first own key), 0 elsewhere.
     req_indices_np, token_offsets_np : np.ndarray
         int32 [num_tokens_padded]: row of each token and its offset in the row's query.
     draft_ids_np : np.ndarray
@@ -153,7 +153,8 @@ class InputBatch(BatchPlan):
     draft_ids : torch.Tensor
         int32 [num_tokens_padded] on device: draft token ids, -1 elsewhere.
     shared_rows : torch.Tensor
-        int32 [num_reqs_padded] on device: 1 for the shared-prefix group's rows.
+        int32 [num_reqs_padded] on device: the shared prefix's tokens for the shared-prefix
+        group's rows, 0 elsewhere.
     """
 
     query_start_loc: torch.Tensor
@@ -202,8 +203,8 @@ def plan_batch(
         ``(num_reqs_padded, num_tokens_padded)``, once its copy is enqueued, and drops
         it then); default a fresh plan and pinned buffer.
     shared_rows : np.ndarray, optional
-        bool [num_reqs]: the rows that read the step's shared prefix once
-        (`graphattn.cascade.plan_shared_prefix`).
+        int [num_reqs]: the shared prefix's tokens for the rows that read it once
+        (`graphattn.cascade.plan_shared_prefix`), 0 for the others.
 
     Raises
     ------

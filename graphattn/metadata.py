@@ -47,8 +47,8 @@ class CommonAttentionMetadata:
     _num_computed_tokens_cpu : torch.Tensor, optional
         int32 [num_reqs] exact CPU context lengths, likewise.
     shared_rows : torch.Tensor, optional
-        int32 [num_reqs] on device: 1 for the rows that read the key's shared prefix once
-        (`graphattn.cascade`).
+        int32 [num_reqs] on device: the key's shared prefix length for the rows that read it
+        once (`graphattn.cascade`), 0 for the others.
     """
 
     query_start_loc: torch.Tensor

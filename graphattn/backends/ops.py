@@ -167,16 +167,17 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       kernel: str, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """`paged_attention` with a prefix that a group of rows shares, read once per KV head.
 
-    The rows with ``shared_rows[r] = 1`` hold the same first ``shared_prefix / block_size``
-    blocks (read-only: below each one's computed tokens); the prefix's keys are read once
-    for all their tokens through the first such row's block table, each row's own keys
-    from position `shared_prefix` on (from 0 outside the group), and the two partial
-    softmaxes are merged by their log-sum-exp (`triton_cascade`: three launches). Sinks
-    count once.
+    The rows with ``shared_rows[r] = shared_prefix`` (the others 0) hold the same first
+    ``shared_prefix / block_size`` blocks (read-only: below each one's computed tokens);
+    the prefix's keys are read once for all their tokens through the first such row's
+    block table, each row's own keys from position `shared_prefix` on (from 0 outside the
+    group), and the two partial softmaxes are merged by their log-sum-exp
+    (`triton_cascade`: three launches). Sinks count once.
 
     Parameters
     ----------
     shared_rows : int32 [rows] (device)
+        `shared_prefix` for the group's rows (each one's first own key), 0 for the others.
     shared_prefix : int
         Tokens of the shared prefix, a multiple of the block size (the graph key's).
     Others : see `paged_attention`.

@@ -105,7 +105,7 @@ class PagedAttentionMetadata(PagedTensors):
     """Plan (CPU ints, the fields of `PagedPlan`) and device tensors (see `PagedTensors`)
     of paged attention; `kv_bounds` holds (num_kv_blocks, max_len) as the op takes them
     (int64 CPU [2], see ``torch.ops.graphattn.paged_attention``); with `shared_prefix`,
-    `shared_rows` (int32 [rows]) marks the rows that read it once
+    `shared_rows` (int32 [rows]) holds it for the rows that read it once, 0 for the others
     (``torch.ops.graphattn.cascade_attention``)."""
 
     num_decodes: int

@@ -171,9 +171,8 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     part, part_lse, splits = launch_shared_prefix(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, shared_rows,
         shared_prefix, scale, softcap, window, suffix_splits)
-    start = torch.where(shared_rows > 0, shared_prefix, 0).to(torch.int32)
     triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
-                     uniform_query_len, max_len, window, softcap, None, kv_start=start,
+                     uniform_query_len, max_len, window, softcap, None, kv_start=shared_rows,
                      parts=(part, part_lse, splits))
     out = q.new_empty(t, h, dv)
     _merge_splits(out, part, part_lse, out if sinks is None else sinks, query_start_loc, rows,

@@ -72,6 +72,7 @@ def run_cascade(device, dtype, kernel, feature, shared_prefix=8, q_len=2, unifor
     row's keys); otherwise mixed rows (one tile per row's tokens)."""
     f = FEATURES[feature]
     tensors, ref_in = case(device, dtype, q_len)
+    tensors["shared_rows"] = tensors["shared_rows"] * shared_prefix  # each member's start
     h = tensors["q"].shape[1]
     sinks = torch.randn(h, generator=torch.Generator().manual_seed(3)) if f.get(
         "sinks") else None
