@@ -4,6 +4,8 @@ configs, greedy tokens against each model's own generation, or the refusal at wr
 
     python -m bench.hf_families            # the table
     python -m bench.hf_families --sweep    # every causal-LM family, refusal bypassed
+    python -m bench.hf_families --readme README.md   # the README's families table, from
+                                                     # results/hf_families_sweep.json
 
 `--sweep` runs every causal-LM family of the installed transformers in a tiny random config
 through HFCausalLM(model, unchecked=True) and compares tokens and logits with its own
@@ -75,13 +77,57 @@ def sweep(only: list[str] | None, timeout: float = 120.0) -> list[dict]:
     return rows
 
 
+SWEEP_JSON = Path(__file__).parent / "results" / "hf_families_sweep.json"
+MARK_BEGIN = "<!-- families table: python -m bench.hf_families --readme README.md -->"
+MARK_END = "<!-- end of families table -->"
+# where each checked family's match is asserted (the CPU suite)
+CHECKED_IN = {"deepseek_v2": "test_hf_mla.py", "deepseek_v3": "test_hf_mla.py",
+              "deepseek_v32": "test_hf_dsa.py"}
+
+
+def readme_table(sweep_rows: list[dict]) -> str:
+    """The README's families table: the checked families, then the sweep's verdicts (its
+    matches accepted; the rest refused, with the reason `HFCausalLM` gives)."""
+    from graphattn.models.hf import CHECKED, type_refusal
+
+    lines = ["| model type | accepted | evidence |", "|---|---|---|"]
+    for t in sorted(CHECKED):
+        test = CHECKED_IN.get(t, "test_hf_families.py")
+        lines.append(f"| {t} | yes | tokens and logits of its own `generate()`, "
+                     f"`tests/graphattn/models/{test}` |")
+    for r in sorted(sweep_rows, key=lambda r: (r["verdict"] != "match", r["type"])):
+        t, reason = r["type"], type_refusal(r["type"])
+        if r["verdict"] == "match":
+            seen = f"sweep: logits within {r['max_logit_diff']:.1e}"
+        elif r["verdict"] == "differs":
+            seen = f"sweep: logits {r['max_logit_diff']:.2g} off"
+        else:
+            seen = "sweep: fails to run (" + r["error"].split(":")[0] + ")"
+        lines.append(f"| {t} | {'yes' if reason is None else 'no: ' + reason} | {seen} |")
+    return "\n".join(lines)
+
+
+def write_readme(path: Path, table: str) -> None:
+    """Replace the text between the README's family-table markers with `table`."""
+    text = path.read_text()
+    head, rest = text.split(MARK_BEGIN)
+    _, tail = rest.split(MARK_END)
+    path.write_text(f"{head}{MARK_BEGIN}\n{table}\n{MARK_END}{tail}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="run every causal-LM family")
     ap.add_argument("--only", default=None, help="comma-separated model types to sweep")
     ap.add_argument("--out", default=None, help="folder for hf_families_sweep.json")
+    ap.add_argument("--readme", default=None,
+                    help="write the families table into this README (between its markers)")
     args = ap.parse_args()
+    if args.readme:
+        rows = json.loads(SWEEP_JSON.read_text())["rows"]
+        write_readme(Path(args.readme), readme_table(rows))
+        return
     if args.sweep:
         rows = sweep(args.only.split(",") if args.only else None)
         if args.out:

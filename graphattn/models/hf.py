@@ -28,7 +28,7 @@ from graphattn.models.hf_dsa import SparseLatentAttention, indexer_refusal, inde
 from graphattn.models.hf_mla import LatentAttention, mla_layout
 
 __all__ = ["ATTN_NAME", "CHECKED", "SUPPORTED", "SWEPT", "HFCausalLM", "check_supported",
-           "learned_positions"]
+           "learned_positions", "type_refusal"]
 
 ATTN_NAME = "graphattn_paged"
 # model types checked against the model's own generate() token for token (tests)
@@ -60,6 +60,10 @@ _REASONS = {
                    "the checks reach",
     "diffllama": "differential attention (two softmax maps subtracted), which the paged "
                  "attention does not compute",
+    "gemma3n_text": "layers that read another layer's KV cache (KV sharing), which the paged "
+                    "cache of one layer per layer does not model",
+    "dots1": "its forward did not run in the families sweep's tiny config (a TypeError in "
+             "its own code), so nothing checked it",
 }
 _UNCHECKED = ("not among the families checked against generate() (`python -m "
               "bench.hf_families --sweep --only TYPE` runs one)")
@@ -82,18 +86,25 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"{name} (model_type {mtype!r}) is not supported with this config: "
                          f"{refusal}")
     if mtype not in SUPPORTED:
-        reason = _REASONS.get(mtype)
-        if reason is None and mtype in _RECURRENT:
-            reason = ("state-space / linear-attention layers keep a recurrent state, not a "
-                      "KV cache, and no graphattn backend holds one")
-        if reason is None and getattr(cfg, "is_encoder_decoder", False):
-            reason = ("encoder-decoder: only those of graphattn.models.hf_encoder_decoder are "
-                      "supported")
+        reason = type_refusal(mtype, getattr(cfg, "is_encoder_decoder", False))
         raise ValueError(
             f"{name} (model_type {mtype!r}) is not supported by graphattn.models.hf: "
-            f"{reason or _UNCHECKED}; supported: "
-            f"{', '.join(SUPPORTED)}"
+            f"{reason}; supported: {', '.join(SUPPORTED)}"
         )
+
+
+def type_refusal(model_type: str, is_encoder_decoder: bool = False) -> str | None:
+    """Why a model type is refused when wrapping (None: a supported type, whose configs
+    `check_supported` still checks)."""
+    if model_type in SUPPORTED:
+        return None
+    reason = _REASONS.get(model_type)
+    if reason is None and model_type in _RECURRENT:
+        reason = ("state-space / linear-attention layers keep a recurrent state, not a KV "
+                  "cache, and no graphattn backend holds one")
+    if reason is None and is_encoder_decoder:
+        reason = "encoder-decoder: only those of graphattn.models.hf_encoder_decoder are supported"
+    return reason or _UNCHECKED
 
 
 # rope variants whose factors depend on the longest position of the whole step (so one
