@@ -24,7 +24,13 @@ from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
 from graphattn.proposer import DraftProposer
-from graphattn.sampling import ACCEPT_SALT, RESIDUAL_SALT, SamplingTable, rejection_sample
+from graphattn.sampling import (
+    ACCEPT_SALT,
+    RESIDUAL_SALT,
+    SamplingTable,
+    greedy_tokens,
+    rejection_sample,
+)
 from graphattn.state import RequestState
 
 __all__ = ["DeviceStep", "ModelForward", "StepTensors"]
@@ -310,7 +316,7 @@ class DeviceStep:
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sampler is None:  # greedy, no log-probabilities
-            return logits.argmax(-1), None
+            return greedy_tokens(logits), None
         return self.sampler.sample(logits, slots, positions)
 
 

@@ -38,7 +38,7 @@ from graphattn.config import INPUT_NAMES
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 from graphattn.proposer import DraftProposer
-from graphattn.sampling import DRAFT_SALT, SamplingTable
+from graphattn.sampling import DRAFT_SALT, SamplingTable, greedy_tokens
 from graphattn.state import RequestState
 
 __all__ = ["DraftModelProposer", "DraftPlan", "StepDrafter"]
@@ -295,7 +295,7 @@ class DraftModelProposer:
         """Greedy rows: the argmax; sampled rows: a draw from the row's sampling distribution
         (kept in `draft_probs` for the verifier)."""
         if self.sampler is None:
-            return logits.argmax(-1)
+            return greedy_tokens(logits)
         probs = self.sampler.probs(logits, slots)
         self.draft_probs[target, i] = probs
         return self.sampler.draw(probs, slots, positions, DRAFT_SALT)

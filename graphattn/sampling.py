@@ -14,7 +14,8 @@ import torch
 
 from graphattn.checks import as_index
 
-__all__ = ["SamplingParams", "SamplingTable", "hash_uniform", "rejection_sample"]
+__all__ = ["SamplingParams", "SamplingTable", "greedy_tokens", "hash_uniform",
+           "rejection_sample"]
 
 _M1, _M2, _M3 = -7046029254386353131, -4658895280553007687, 7640891576956012809
 _MASK53 = (1 << 53) - 1
@@ -22,6 +23,41 @@ _MASK53 = (1 << 53) - 1
 DRAFT_SALT = 1 << 40
 ACCEPT_SALT = 2 << 40
 RESIDUAL_SALT = 3 << 40
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first maximum; a NaN counts as the maximum) in two stages
+    for a large vocabulary: each of many chunks of the row reduced first, then the chunks'
+    winners. A single-row argmax over 128K entries otherwise runs as one program per row.
+
+    Parameters
+    ----------
+    logits : [B, V]
+
+    Returns
+    -------
+    torch.Tensor
+        int64 [B].
+    """
+    b, v = logits.shape
+    c = _argmax_chunk(v)
+    if not c:
+        return logits.argmax(-1)
+    x = logits.view(b, v // c, c)
+    idx = x.argmax(-1)  # [B, chunks]: each chunk's first maximum
+    best = x.gather(-1, idx[..., None])[..., 0].argmax(-1, keepdim=True)  # first best chunk
+    return best[:, 0] * c + idx.gather(-1, best)[:, 0]
+
+
+def _argmax_chunk(vocab: int) -> int:
+    """A divisor of `vocab` that cuts it into 32 to 512 chunks of at least 256 entries (the
+    smallest such chunk), or 0: reduce in one stage (a small vocabulary, or none fits)."""
+    if vocab < 16384:
+        return 0
+    for c in range(max(256, -(-vocab // 512)), vocab // 32 + 1):
+        if vocab % c == 0:
+            return c
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +158,7 @@ class SamplingTable:
                         torch.rand_like(vals))
         noisy = vals.masked_fill(~keep, float("-inf")) - torch.log(-torch.log(u))
         drawn = idx.gather(1, noisy.argmax(-1, keepdim=True)).squeeze(1)
-        tokens = torch.where(greedy, x.argmax(-1), drawn)
+        tokens = torch.where(greedy, greedy_tokens(x), drawn)
         logprobs = torch.log_softmax(x, -1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs
 

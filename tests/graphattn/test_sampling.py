@@ -91,3 +91,23 @@ def test_probs_is_the_sampling_distribution():
     torch.testing.assert_close(p[1], torch.cat([top3, torch.zeros(3)]))
     top_p = torch.softmax(logits[0, :3], -1)  # 0.55, 0.20, 0.12 of the full: 3 kept
     torch.testing.assert_close(p[2], torch.cat([top_p, torch.zeros(3)]))
+
+
+@pytest.mark.parametrize("vocab", [100, 16384, 32000, 128256, 50257, 16411])
+def test_greedy_tokens_are_argmax_with_ties_and_nans(vocab):
+    from graphattn.sampling import _argmax_chunk, greedy_tokens
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = 0.0  # every entry tied: the first
+    x[2, vocab // 3] = x[2, vocab - 1] = x[2].max() + 1  # tied in two chunks: the first
+    x[3, vocab - 2] = float("nan")  # a NaN wins
+    x[4, 5] = x[4, vocab // 2] = float("nan")  # the first NaN
+    x[5] = torch.arange(vocab, dtype=torch.float32).flip(0)  # the maximum at 0
+    with no_host_sync():
+        got = greedy_tokens(x)
+    assert got.tolist() == x.argmax(-1).tolist()
+    c = _argmax_chunk(vocab)
+    assert c == 0 or (vocab % c == 0 and 32 <= vocab // c <= 512 and c >= 256)
+    assert greedy_tokens(x.to(torch.bfloat16)).tolist() == x.to(torch.bfloat16).argmax(
+        -1).tolist()
