@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -96,14 +96,36 @@ class _Captured:
 
 @contextlib.contextmanager
 def _frozen_gc() -> Iterator[None]:
-    # torch.cuda.graph() calls gc.collect() per capture; with everything frozen
-    # that collection has nothing to walk.
+    # a collection during capture (torch.cuda.graph's, or one Python starts) has nothing
+    # to walk with everything frozen
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any,
+              stream: torch.cuda.Stream) -> Iterator[None]:
+    """Record the work the block enqueues into `graph` (private pool `pool`), on `stream`
+    (which first waits for the current stream; the current stream waits for it after).
+
+    ``torch.cuda.graph`` also synchronizes the device and empties the allocator's caches
+    before every capture; `GraphManager.capture` does that once before its first key, and
+    between captures the blocks the warm-ups cached serve the next warm-ups instead of new
+    cudaMallocs.
+    """
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
 
 
 def _new_graph(keep: bool) -> torch.cuda.CUDAGraph:
@@ -188,6 +210,8 @@ class CUDAGraphManager:
         self._reserved0: int | None = None
         self.use_graphs = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # warm-ups and captures run here (a capture cannot use the legacy default stream)
+        self._side_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self._captured: dict[GraphKey, _Captured] = {}
         self.keep_graphs = False  # keep each cudaGraph_t (for inspection: node counts)
         self.num_replays = 0
@@ -232,7 +256,7 @@ class CUDAGraphManager:
                                keys=todo)
         t0 = time.perf_counter()
         if self.use_graphs:
-            # torch.cuda.graph() empties the allocator cache; do it first so the
+            # once before the first key (not per capture, see `capturing`), so the
             # difference below is the pool and static buffers alone
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -278,15 +302,15 @@ class CUDAGraphManager:
             with self.recording():
                 self.forward(inputs, key)
             return _Captured(inputs, (), None)
-        side = torch.cuda.Stream(self.device)
+        side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_iters):
                 self.forward(inputs, key)
+            graph = _new_graph(self.keep_graphs)
+            with self.recording(), capturing(graph, self.pool, side):
+                outputs = self.forward(inputs, key)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = _new_graph(self.keep_graphs)
-        with self.recording(), torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.forward(inputs, key)
         if self.keep_graphs and hasattr(graph, "instantiate"):
             graph.instantiate()
         return _Captured(inputs, outputs, graph)

@@ -22,6 +22,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
+from graphattn.capture.graphs import capturing
 from graphattn.compile import RecompileError, dynamo_limits
 from graphattn.sync import opaque_region
 
@@ -63,7 +64,7 @@ class _Piece:
                       for a in args]
             self.fn(*static)  # warm-up
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=owner.pool):
+            with capturing(graph, owner.pool, owner.stream):
                 out = self.fn(*static)
             entry = self.graphs[owner.tokens] = (graph, static, out)
             owner.num_captured += 1
@@ -106,6 +107,7 @@ class PiecewiseCompiler:
             raise ValueError(f"inner = {inner!r}, expected 'inductor' or 'eager'")
         self.use_graphs = self.device.type == "cuda"
         self.pool = pool
+        self.stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self.tokens: int | None = None
         self.capturing = False
         self.frozen = False
