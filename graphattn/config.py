@@ -70,7 +70,7 @@ class CompileConfig:
         inductor's default, a worker pool (pays on a cold cache, where kernels compile); 1:
         every kernel compiles in this process and no pool starts, the fast path when
         inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) already holds the kernels: a warm
-        start then skips the pool's start-up (`bench.warm_start --compile-threads 1`).
+        start then skips the pool's start-up (`bench.warm_start --warm-compile-threads 1`).
     """
 
     enabled: bool = False
