@@ -36,6 +36,17 @@ def test_deepseek_v32_matches_its_own_generate_on_the_sparse_indexer_backend(var
     assert got == expected(ref, prompts, "cpu")
 
 
+def test_deepseek_v32_compiled_step_matches_too():
+    """RunnerConfig(compile=...): dynamo traces the model's forward with the indexer's
+    forward swapped in (whole graph, no break), the same tokens."""
+    from graphattn import CompileConfig
+
+    ref = build("topk6")
+    prompts, got = serve(ref, "cpu", new=12, backend="sparse_indexer",
+                         compile=CompileConfig(enabled=True, backend="eager"))
+    assert got == expected(ref, prompts, "cpu", new=12)
+
+
 def test_the_selection_is_what_decides_the_tokens():
     """A narrow top-k gives other tokens than a dense one (so the match above tests it)."""
     narrow, dense = build("topk3_yarn"), build("topk3_yarn")
@@ -68,7 +79,11 @@ def test_an_indexer_it_cannot_rebuild_is_refused_when_wrapping():
 
 
 @pytest.mark.cuda
-def test_deepseek_v32_under_cuda_graphs_with_no_host_sync():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deepseek_v32_under_cuda_graphs_with_no_host_sync(compiled):
+    """The indexer's scores from its Triton kernel, the attention over the selection from
+    the unified kernel; eager-model graphs, and inductor-compiled ones."""
     ref = build("topk6", "cuda")
-    prompts, got = serve(ref, "cuda", debug_sync=True, backend="sparse_indexer")
+    prompts, got = serve(ref, "cuda", debug_sync=True, backend="sparse_indexer",
+                         compile=compiled)
     assert got == expected(ref, prompts, "cuda")

@@ -38,15 +38,17 @@ def build(variant, device="cpu", dtype=torch.float32):
     return ref
 
 
-def serve(ref, device, new=20, debug_sync=False, backend="mla"):
-    """Each request's greedy tokens through GraphRunner (chunked prefills of 4 tokens)."""
+def serve(ref, device, new=20, debug_sync=False, backend="mla", compile=False):
+    """Each request's greedy tokens through GraphRunner (chunked prefills of 4 tokens;
+    `compile`: RunnerConfig's)."""
     from graphattn.models.hf import HFCausalLM
 
     hf = HFCausalLM(copy.deepcopy(ref))
     st = RequestState(4, 64, 8, device)
     hf.allocate_caches(st.num_kv_blocks, 8)
     runner = GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(
-        capture_sizes=(1, 2, 4), length_boundaries=(64,), mixed_token_sizes=(16,))))
+        capture_sizes=(1, 2, 4), length_boundaries=(64,), mixed_token_sizes=(16,)),
+        compile=compile))
     assert runner.backend == backend
     runner.capture(progress=False)
     rng = np.random.default_rng(0)
