@@ -1,5 +1,7 @@
 """Accuracy of the fp8 KV cache: the same requests decoded greedily with the cache in the
-model's dtype and in float8_e4m3fn (scales 1), side by side in one process.
+model's dtype and in float8_e4m3fn, side by side in one process, with scales 1 and with
+per-layer scales calibrated on other prompts (`kv_scales()` after serving them with a
+model-dtype cache: each layer's max |K| and max |V| / 448).
 
     python -m bench.fp8_kv [--models tiny,smollm2] [--new 200] [--device cpu] [--out DIR]
 
@@ -27,11 +29,12 @@ from graphattn.demo import CHAT
 from graphattn.models.tiny import TinyDecoder
 
 
-def decode(model, prompts: list[np.ndarray], new: int, kv_cache_dtype, device: str):
+def decode(model, prompts: list[np.ndarray], new: int, kv_cache_dtype, device: str,
+           kv_scales=None):
     """Greedy tokens [requests, new] and their logits [requests, new, vocab] (float32)."""
     bs = 16
     state = RequestState(len(prompts), max(len(p) for p in prompts) + new + 1, bs, device)
-    model.allocate_caches(state.num_kv_blocks, bs, kv_cache_dtype)
+    model.allocate_caches(state.num_kv_blocks, bs, kv_cache_dtype, kv_scales)
     runner = GraphRunner(model, state, RunnerConfig(policy=BucketPolicy(
         capture_sizes=(len(prompts),), length_boundaries=(state.max_model_len,))))
     runner.capture(progress=False)
@@ -57,17 +60,28 @@ def agreement(a: np.ndarray, b: np.ndarray) -> dict:
             "first_difference": [int(np.argmin(r)) if not r.all() else len(r) for r in same]}
 
 
-def compare(name: str, model, prompts: list[np.ndarray], new: int, device: str) -> dict:
+def compare(name: str, model, prompts: list[np.ndarray], calibration: list[np.ndarray],
+            new: int, device: str) -> list[dict]:
+    """Rows of the fp8 cache with scales 1 and with calibrated scales against the
+    model-dtype cache."""
     with torch.inference_mode():
+        decode(model, calibration, 1, None, device)  # prefills into model-dtype caches
+        scales = model.kv_scales()
         base_t, base_l = decode(model, prompts, new, None, device)
-        fp8_t, fp8_l = decode(model, prompts, new, "fp8_e4m3", device)
-    agree = agreement(base_t, fp8_t)
-    first = agree["first_difference"]
-    err = max(float((base_l[j, : first[j] + 1] - fp8_l[j, : first[j] + 1]).abs().max())
-              for j in range(len(prompts)))
-    return {"model": name, "requests": len(prompts), "new_tokens": new, **agree,
-            "max_logit_diff_before_difference": err,
-            "logit_range": float(base_l.max() - base_l.min())}
+        runs = {"1": decode(model, prompts, new, "fp8_e4m3", device),
+                "calibrated": decode(model, prompts, new, "fp8_e4m3", device, scales)}
+    rows = []
+    for kind, (fp8_t, fp8_l) in runs.items():
+        agree = agreement(base_t, fp8_t)
+        first = agree["first_difference"]
+        err = max(float((base_l[j, : first[j] + 1] - fp8_l[j, : first[j] + 1]).abs().max())
+                  for j in range(len(prompts)))
+        rows.append({"model": name, "scales": kind, "requests": len(prompts),
+                     "new_tokens": new, **agree, "max_logit_diff_before_difference": err,
+                     "logit_range": float(base_l.max() - base_l.min())})
+    rows[-1]["k_scales"] = [k for k, _ in scales]
+    rows[-1]["v_scales"] = [v for _, v in scales]
+    return rows
 
 
 def roundtrip_logit_diff(model, prompt: np.ndarray) -> float:
@@ -94,22 +108,30 @@ def roundtrip_logit_diff(model, prompt: np.ndarray) -> float:
         cfg._attn_implementation = before
 
 
+# calibration prompts: other requests than the measured ones
+CALIBRATION = ["Summarize the plot of a famous novel in two sentences.",
+               "How does a refrigerator keep food cold?",
+               "Give me a short packing list for a weekend hike.",
+               "Translate 'good morning' into French and Spanish."]
+
+
 def load(name: str, device: str):
-    """(model, prompts) of `name`."""
+    """(model, prompts, calibration prompts) of `name`."""
     if name == "smollm2":
         from graphattn.models.hf import HFCausalLM
         from graphattn.models.real import load_smollm2
 
         model, tok = load_smollm2(device=device)
-        prompts = [np.asarray(tok.apply_chat_template(
+        prompts, calibration = ([np.asarray(tok.apply_chat_template(
             [{"role": "user", "content": c}], add_generation_prompt=True,
-            return_dict=True)["input_ids"]) for c in CHAT]
-        return HFCausalLM(model), prompts
+            return_dict=True)["input_ids"]) for c in texts] for texts in (CHAT, CALIBRATION))
+        return HFCausalLM(model), prompts, calibration
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = TinyDecoder(MODELS[name]).to(device, dtype)
     rng = np.random.default_rng(0)
-    return model, [rng.integers(0, MODELS[name].vocab_size, 32) for _ in range(4)]
+    prompts = [rng.integers(0, MODELS[name].vocab_size, 32) for _ in range(8)]
+    return model, prompts[:4], prompts[4:]
 
 
 def main() -> None:
@@ -123,12 +145,14 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for name in args.models.split(","):
-        model, prompts = load(name, args.device)
-        rows.append(compare(name, model, prompts, args.new, args.device))
+        model, prompts, calibration = load(name, args.device)
+        got = compare(name, model, prompts, calibration, args.new, args.device)
         if name == "smollm2":
-            rows[-1]["transformers_fp8_roundtrip_logit_diff"] = roundtrip_logit_diff(
+            got[0]["transformers_fp8_roundtrip_logit_diff"] = roundtrip_logit_diff(
                 model.model, prompts[0])
-        print(json.dumps(rows[-1]), flush=True)
+        for row in got:
+            print(json.dumps(row), flush=True)
+        rows += got
     if args.out:
         meta = result_meta("bench.fp8_kv", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)

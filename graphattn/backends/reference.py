@@ -12,6 +12,8 @@ from einops import rearrange
 
 __all__ = [
     "FP8_MAX",
+    "fp8_scales",
+    "layer_scales",
     "allocate_kv_cache",
     "is_fp8",
     "to_cache_values",
@@ -68,6 +70,39 @@ def cache_dtype(kv_cache_dtype: torch.dtype | str | None, model_dtype: torch.dty
         raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r}, expected None, 'fp8_e4m3' or a "
                          "floating torch dtype")
     return kv_cache_dtype
+
+
+def fp8_scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[float, float]:
+    """Per-tensor fp8 scales that fit what a model-dtype cache holds: (max |K|, max |V|)
+    over its blocks (the sink excluded) / 448, so the largest value stored is the format's
+    largest and small values stay clear of its subnormals (1 for an empty cache). Reads the
+    device on the host: a calibration step, never part of a serving step."""
+    if is_fp8(k_cache.dtype) or is_fp8(v_cache.dtype):
+        raise ValueError(f"fp8_scales reads a model-dtype cache, got {k_cache.dtype} / "
+                         f"{v_cache.dtype} (calibrate before allocating the fp8 one)")
+    amax = torch.stack([k_cache[:-1].abs().amax(), v_cache[:-1].abs().amax()]).float()
+    k, v = (amax / FP8_MAX).tolist()
+    return (k if k > 0 else 1.0), (v if v > 0 else 1.0)
+
+
+def layer_scales(kv_scales: object, num_layers: int,
+                 fp8: bool) -> tuple[tuple[float, float], ...]:
+    """Per-layer (k_scale, v_scale) of `allocate_caches(..., kv_scales=...)`: None (1 for
+    every layer), one pair for every layer, or one pair per layer; ValueError naming what
+    was given unless each scale is a positive number and the cache is fp8."""
+    if kv_scales is None:
+        return ((1.0, 1.0),) * num_layers
+    if not fp8:
+        raise ValueError("kv_scales are an fp8 cache's: pass kv_cache_dtype='fp8_e4m3' too")
+    pairs = list(kv_scales)  # type: ignore[call-overload]
+    if len(pairs) == 2 and all(isinstance(x, (int, float)) for x in pairs):
+        pairs = [pairs] * num_layers
+    ok = len(pairs) == num_layers and all(
+        len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p) for p in pairs)
+    if not ok:
+        raise ValueError(f"kv_scales = {kv_scales!r}, expected a positive (k_scale, v_scale) "
+                         f"pair or {num_layers} of them (one per layer)")
+    return tuple((float(k), float(v)) for k, v in pairs)
 
 
 def to_cache_values(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

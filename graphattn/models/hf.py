@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
-from graphattn.backends.reference import allocate_kv_cache, cache_dtype, is_fp8
+from graphattn.backends.reference import (
+    allocate_kv_cache,
+    cache_dtype,
+    fp8_scales,
+    is_fp8,
+    layer_scales,
+)
 from graphattn.models.hf_dsa import SparseLatentAttention, indexer_refusal, indexers
 from graphattn.models.hf_mla import LatentAttention, mla_layout
 
@@ -235,6 +241,7 @@ class HFCausalLM:
         self.keep_hidden_states = False
         self.last_hidden_states: torch.Tensor | None = None
         self._impls: dict[tuple, PagedAttentionImpl] = {}
+        self._scales = layer_scales(None, self.num_layers, False)
         layout = mla_layout(model)
         self.latent: LatentAttention | None = None
         if layout is not None and indexers(model):  # DeepSeek sparse attention
@@ -252,29 +259,48 @@ class HFCausalLM:
                  sinks: torch.Tensor | None = None) -> PagedAttentionImpl:
         """The paged impl of a layer's attention features (cached per feature set)."""
         s = float(scaling if scaling is not None else self.head_dim ** -0.5)
-        key = (s, int(window or 0), float(softcap or 0.0), None if sinks is None else id(sinks))
+        kv = self._scales[getattr(module, "layer_idx", 0)]
+        key = (s, int(window or 0), float(softcap or 0.0), None if sinks is None else id(sinks),
+               kv)
         if key not in self._impls:
             self._impls[key] = PagedAttentionImpl(self.num_heads, self.head_dim,
                                                   self.num_kv_heads, scale=s, window=key[1],
-                                                  softcap=key[2], sinks=sinks)
+                                                  softcap=key[2], sinks=sinks, k_scale=kv[0],
+                                                  v_scale=kv[1])
         return self._impls[key]
 
     def allocate_caches(self, num_blocks: int, block_size: int,
-                        kv_cache_dtype: torch.dtype | str | None = None) -> None:
+                        kv_cache_dtype: torch.dtype | str | None = None,
+                        kv_scales: Any = None) -> None:
         """Paged caches of `num_blocks` (+ the sink) per layer, in the model's dtype or
-        `kv_cache_dtype` ("fp8_e4m3", scales 1: the paged backend only)."""
+        `kv_cache_dtype` ("fp8_e4m3": the paged backend only), with `kv_scales` for an fp8
+        cache: one (k_scale, v_scale) pair for every layer or one per layer (it stores
+        K / k_scale, V / v_scale; `kv_scales()` measures them on a calibration run), 1 by
+        default."""
         p = next(self.model.parameters())
         if kv_cache_dtype is not None and self.latent is not None:
             raise ValueError(f"kv_cache_dtype = {kv_cache_dtype}: the latent (MLA) cache of "
                              f"{type(self.model).__name__} takes the model's dtype only")
+        dtype = cache_dtype(kv_cache_dtype, p.dtype)
+        scales = layer_scales(kv_scales, self.num_layers, is_fp8(dtype))
         if self.latent is not None:
             self.caches = self.latent.allocate(self.num_layers, num_blocks, block_size,
                                                p.dtype, p.device)
             return
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, self.num_kv_heads,
-                                               self.head_dim,
-                                               cache_dtype(kv_cache_dtype, p.dtype), p.device)
+                                               self.head_dim, dtype, p.device)
                              for _ in range(2)) for _ in range(self.num_layers)]
+        self._scales, self._impls = scales, {}
+
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """Per-layer fp8 scales fitted to what the model-dtype caches hold now
+        (`graphattn.backends.reference.fp8_scales`): serve calibration prompts first, then
+        ``allocate_caches(n, block_size, "fp8_e4m3", kv_scales=hf.kv_scales())``. Reads the
+        device on the host."""
+        if not self.caches or self.latent is not None:
+            raise ValueError("kv_scales() reads the paged K/V caches: allocate_caches and "
+                             "serve calibration prompts first (latent caches have none)")
+        return tuple(fp8_scales(k, v) for k, v in self.caches)
 
     def __call__(self, inputs: dict[str, torch.Tensor],
                  attn_metadata: PagedAttentionMetadata) -> torch.Tensor:

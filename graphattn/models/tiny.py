@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
-from graphattn.backends.reference import allocate_kv_cache, cache_dtype
+from graphattn.backends.reference import (
+    allocate_kv_cache,
+    cache_dtype,
+    fp8_scales,
+    is_fp8,
+    layer_scales,
+)
 from graphattn.backends.rope import apply_rope, cos_sin, inv_frequencies, rope, rope_cos_sin
 
 __all__ = ["TinyConfig", "TinyDecoder", "apply_rope", "rope", "rope_cos_sin"]
@@ -163,16 +169,34 @@ class TinyDecoder(nn.Module):
         return self
 
     def allocate_caches(self, num_blocks: int, block_size: int,
-                        kv_cache_dtype: torch.dtype | str | None = None) -> None:
+                        kv_cache_dtype: torch.dtype | str | None = None,
+                        kv_scales: Any = None) -> None:
         """Paged K/V caches of `num_blocks` (+ the sink) per layer, in the model's dtype or
-        `kv_cache_dtype` ("fp8_e4m3": an fp8 cache with the impl's scales)."""
+        `kv_cache_dtype` ("fp8_e4m3"), with `kv_scales` for an fp8 cache as
+        `HFCausalLM.allocate_caches` takes them (default 1); one impl serves every layer, so
+        it takes the largest k_scale and v_scale of the layers."""
         p = next(self.parameters())
         c = self.cfg
-        self.inv_freq = inv_frequencies(c.head_dim, c.rope_theta, p.device)
         dtype = cache_dtype(kv_cache_dtype, p.dtype)
+        scales = layer_scales(kv_scales, c.num_layers, is_fp8(dtype))
+        if kv_scales is not None and not hasattr(self.impl, "k_scale"):
+            raise ValueError(f"kv_scales: the impl {type(self.impl).__name__} has no fp8 "
+                             f"scales (PagedAttentionImpl has)")
+        self.inv_freq = inv_frequencies(c.head_dim, c.rope_theta, p.device)
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, c.local_kv_heads,
                                                c.head_dim, dtype, p.device) for _ in range(2))
                        for _ in range(c.num_layers)]
+        if hasattr(self.impl, "k_scale"):
+            self.impl.k_scale = max(k for k, _ in scales)
+            self.impl.v_scale = max(v for _, v in scales)
+
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """Per-layer fp8 scales fitted to what the model-dtype caches hold now (see
+        `HFCausalLM.kv_scales`)."""
+        if not self.caches:
+            raise ValueError("kv_scales() reads the caches: allocate_caches and serve "
+                             "calibration prompts first")
+        return tuple(fp8_scales(k, v) for k, v in self.caches)
 
     def forward(self, inputs: dict[str, torch.Tensor],
                 attn_metadata: PagedAttentionMetadata) -> torch.Tensor:

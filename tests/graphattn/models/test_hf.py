@@ -134,3 +134,35 @@ def test_hf_models_run_the_paged_backend_only():
     with pytest.raises(ValueError, match=r"backend = 'flex', but HFCausalLM runs only "
                                          r"\('paged',\)"):
         GraphRunner(runner.forward, st, RunnerConfig(backend="flex"))
+
+
+def test_kv_scales_calibrate_each_layer_of_an_fp8_cache():
+    """kv_scales() after serving a prompt: each layer's max |K| and max |V| / 448; the fp8
+    caches then store K / k_scale and V / v_scale with each layer's own pair, and decode
+    close to the model-dtype cache."""
+    from graphattn.backends.reference import FP8_MAX
+
+    ref, runner, st = make("cpu", torch.float32)
+    hf = runner.forward
+    a = runner.add_request("a", list(range(1, 20)))
+    runner.step(SchedulerOutput(np.array([a]), np.array([19])))
+    want = runner.step(SchedulerOutput(np.array([a]), np.array([1]))).logits[0].clone()
+    scales = hf.kv_scales()
+    for (k, v), (kc, vc) in zip(scales, hf.caches, strict=True):
+        assert k == pytest.approx(float(kc[:-1].abs().max()) / FP8_MAX)
+        assert v == pytest.approx(float(vc[:-1].abs().max()) / FP8_MAX)
+    assert scales[0] != scales[1]
+    with pytest.raises(ValueError, match="kv_scales = .*expected a positive"):
+        hf.allocate_caches(4 * st.max_num_blocks_per_req, 8, "fp8_e4m3", scales[:1])
+    hf.allocate_caches(4 * st.max_num_blocks_per_req, 8, "fp8_e4m3", scales)
+    with pytest.raises(ValueError, match="fp8_scales reads a model-dtype cache"):
+        hf.kv_scales()
+    st2 = RequestState(4, 64, 8)
+    again = GraphRunner(hf, st2, RunnerConfig(policy=BucketPolicy(capture_sizes=(1,))))
+    b = again.add_request("a", list(range(1, 20)))
+    again.step(SchedulerOutput(np.array([b]), np.array([19])))
+    got = again.step(SchedulerOutput(np.array([b]), np.array([1]))).logits[0]
+    impls = {hf.impl_for(layer.self_attn, layer.self_attn.scaling)
+             for layer in hf.model.model.layers}
+    assert {(i.k_scale, i.v_scale) for i in impls} == set(scales)
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05)

@@ -10,11 +10,17 @@ from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.sync import no_host_sync
 
 
-def first_logits(kv_cache_dtype, device="cpu"):
+def first_logits(kv_cache_dtype, device="cpu", kv_scales=None, shrink=1.0):
+    """Logits of 4 decode steps after a 19-token prefill (`shrink` scales the value
+    projections: small values, deep in fp8's subnormals at scale 1)."""
     torch.manual_seed(0)
     model = TinyDecoder(TinyConfig(vocab_size=128, hidden_size=64)).to(device)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.qkv.weight[-model.cfg.num_kv_heads * model.cfg.head_dim:] *= shrink
     st = RequestState(2, 64, 8, device)
-    model.allocate_caches(st.num_kv_blocks, 8, kv_cache_dtype)
+    model.allocate_caches(st.num_kv_blocks, 8, kv_cache_dtype,
+                          None if kv_scales == "measure" else kv_scales)
     runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(1, 2))))
     runner.capture(progress=False)
     a = runner.add_request("a", list(range(1, 20)))
@@ -25,6 +31,8 @@ def first_logits(kv_cache_dtype, device="cpu"):
             out = runner.step(SchedulerOutput(np.array([a]), np.array([1])))
         logits.append(out.logits[0].float().cpu())
         assert out.replayed
+    if kv_scales == "measure":
+        return model.kv_scales()
     return torch.stack(logits), model.caches[0][0].dtype
 
 
@@ -40,3 +48,32 @@ def test_kv_cache_dtype_is_validated():
     model = TinyDecoder(TinyConfig(vocab_size=128, hidden_size=64))
     with pytest.raises(ValueError, match="kv_cache_dtype = 'int8', expected None, 'fp8_e4m3'"):
         model.allocate_caches(4, 8, "int8")
+
+
+def test_calibrated_scales_keep_small_values_out_of_the_subnormals():
+    """kv_scales() of a model-dtype run: each layer's max |K|, |V| / 448; an fp8 cache with
+    them tracks the model-dtype logits far closer than scales of 1 when the values are
+    small (1e-3 of the usual: below fp8's normal range)."""
+    want, _ = first_logits(None, shrink=1e-3)
+    scales = first_logits(None, kv_scales="measure", shrink=1e-3)
+    assert len(scales) == 2 and all(0 < v < 1e-3 < k for k, v in scales)
+    plain, _ = first_logits("fp8_e4m3", shrink=1e-3)
+    fitted, _ = first_logits("fp8_e4m3", kv_scales=scales, shrink=1e-3)
+    err_plain, err_fitted = (float((x - want).abs().max()) for x in (plain, fitted))
+    assert err_fitted < 0.2 * err_plain, (err_fitted, err_plain)
+
+
+def test_kv_scales_are_validated():
+    from graphattn.backends.flex import FlexAttentionImpl
+
+    model = TinyDecoder(TinyConfig(vocab_size=128, hidden_size=64))
+    with pytest.raises(ValueError, match="kv_scales are an fp8 cache's"):
+        model.allocate_caches(4, 8, None, (0.5, 0.5))
+    for bad in ((0.5, -1.0), [(1.0, 1.0)] * 3, "x"):
+        with pytest.raises(ValueError, match="expected a positive .k_scale, v_scale. pair or 2"):
+            model.allocate_caches(4, 8, "fp8_e4m3", bad)
+    with pytest.raises(ValueError, match="kv_scales\\(\\) reads the caches"):
+        TinyDecoder(TinyConfig(vocab_size=128, hidden_size=64)).kv_scales()
+    model.impl = FlexAttentionImpl.__new__(FlexAttentionImpl)
+    with pytest.raises(ValueError, match="FlexAttentionImpl has no fp8 scales"):
+        model.allocate_caches(4, 8, "fp8_e4m3", (0.5, 0.5))
