@@ -19,8 +19,7 @@ from graphattn.backends.launch_config import (
 from graphattn.backends.reference import is_fp8
 
 __all__ = ["check_contiguous_caches", "indexer_scores", "launch_rope_write_kv",
-           "launch_shared_prefix",
-           "launch_write_kv", "triton_attention", "triton_cascade"]
+           "launch_shared_prefix", "launch_write_kv", "triton_attention", "triton_cascade"]
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -81,13 +80,11 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     output, and the rotary append stores its new K / V divided by them. Returns [T, H, Dv]
     in q's dtype, 0 for padded tokens.
     """
-    t, h, d = q.shape
-    dv = v_cache.shape[-1]
+    (t, h, d), dv, rows = q.shape, v_cache.shape[-1], block_table.shape[0]
     if rope is not None and not (uniform_query_len == 1 and rope_fusable(d, k_cache, v_cache)):
         raise ValueError(f"the fused rotary decode takes one-token rows and a power-of-two "
                          f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
                          f"head_dim {d}, V head_dim {dv}")
-    rows = block_table.shape[0]
     if t == 0 or rows == 0:
         return None if parts is not None else q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
@@ -98,7 +95,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   USE_SINKS=sinks is not None and parts is None,
                   USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
                   SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None)
-    out = q.new_empty(t, h, dv)  # every token is written (0 for padded ones): no fill
+    # not filled: every token is written (0 when padded); with `parts`, only a placeholder
+    out = q.new_empty(t, h, dv) if parts is None else parts[0]
     part, part_lse, base = parts or (out, out, 0)
     if parts is None and num_splits > 1:
         part = torch.empty(t * h * num_splits, consts["DV_PAD"], dtype=torch.float32,
