@@ -131,16 +131,25 @@ def main() -> None:
     if args.sweep:
         rows = sweep(args.only.split(",") if args.only else None)
         if args.out:
-            meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                    "transformers": transformers.__version__,
-                    "command": "python -m bench.hf_families --sweep"
-                               + (f" --only {args.only}" if args.only else "")}
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "hf_families_sweep.json").write_text(
-                json.dumps({**meta, "rows": rows}, indent=1))
+            write_sweep(Path(args.out) / "hf_families_sweep.json", rows, bool(args.only))
         return
     table()
 
+
+def write_sweep(path: Path, rows: list[dict], partial: bool) -> None:
+    """Write the sweep's rows; a partial sweep (--only) replaces its types' rows in an
+    existing file and keeps the others, its command naming every type the file holds."""
+    if partial and path.exists():
+        swept = {r["type"] for r in rows}
+        rows = [r for r in json.loads(path.read_text())["rows"] if r["type"] not in swept] + rows
+    types = ",".join(sorted(r["type"] for r in rows))
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "command": "python -m bench.hf_families --sweep" + (f" --only {types}" if partial
+                                                                 else "")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**meta, "rows": sorted(rows, key=lambda r: r["type"])},
+                               indent=1))
 
 def table() -> None:
     from graphattn.models.hf import HFCausalLM

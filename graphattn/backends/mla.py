@@ -30,7 +30,20 @@ from graphattn.backends.reference import (
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
 
-__all__ = ["MLABuilder", "MLAImpl", "MLAMetadata"]
+__all__ = ["MLABuilder", "MLAImpl", "MLAMetadata", "write_latent"]
+
+
+def write_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor,
+                 k_pe: torch.Tensor) -> None:
+    """Store ``[kv_c | k_pe]`` of each token at its slot (padded tokens, slot -1, skipped).
+
+    Parameters
+    ----------
+    kv_cache : [num_blocks + 1, block_size, 1, kv_lora_rank + rope_dim]
+    slot_mapping : int64 [T]
+    kv_c : [T, kv_lora_rank]; k_pe : [T, rope_dim]
+    """
+    write_to_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], -1).unsqueeze(1))
 
 
 @dataclass(slots=True)
@@ -138,7 +151,7 @@ class MLAImpl:
             [T, H, kv_lora_rank]; padded tokens give 0.
         """
         lora = self.kv_lora_rank
-        write_to_cache(kv_cache, meta.slot_mapping, torch.cat([kv_c, k_pe], -1).unsqueeze(1))
+        write_latent(kv_cache, meta.slot_mapping, kv_c, k_pe)
         values = kv_cache[..., :lora]
         t, h = q.shape[0], q.shape[1]
         ndt = meta.num_decode_tokens

@@ -84,9 +84,14 @@ class SparseIndexerMetadata(PagedAttentionMetadata):
     Attributes
     ----------
     prefill_chunks : tuple[PrefillChunk, ...]
+    token_rows, token_pos : torch.Tensor
+        int64 [T]: each token's row and sequence position (T = len(slot_mapping)), built
+        once per step for every layer's selection and attention.
     """
 
     prefill_chunks: tuple[PrefillChunk, ...]
+    token_rows: torch.Tensor
+    token_pos: torch.Tensor
 
 
 class SparseIndexerBuilder(PagedAttentionBuilder):
@@ -122,9 +127,12 @@ class SparseIndexerBuilder(PagedAttentionBuilder):
         n_pre = int((q[nd:] > 0).sum())
         pre = slice(nd, nd + n_pre)
         chunks = plan_prefill_chunks(q[pre], bound[pre], self.logits_budget, nd, nd * qd)
-        return SparseIndexerMetadata(**{**plan.as_kwargs(), "shared_prefix": 0},
-                                     shared_rows=None, prefill_chunks=chunks,
-                                     **paged_tensors(common))
+        rows = token_request_index(common.query_start_loc, common.slot_mapping.shape[0])
+        return SparseIndexerMetadata(
+            **{**plan.as_kwargs(), "shared_prefix": 0}, shared_rows=None, prefill_chunks=chunks,
+            token_rows=rows, token_pos=token_positions(common.query_start_loc, common.seq_lens,
+                                                       rows),
+            **paged_tensors(common))
 
 
 class SparseIndexerImpl:
@@ -224,9 +232,8 @@ class SparseIndexerImpl:
         """int64 [Tc, min(topk, nb * block_size)]: the top positions of tokens [t0, t0 + Tc)
         of rows [r0, r1) over their first `nb` blocks (-1 past the visible keys)."""
         tc = q_idx.shape[0]
-        qsl = meta.query_start_loc[r0 : r1 + 1] - t0
-        req = token_request_index(qsl, tc)
-        pos = token_positions(qsl, meta.seq_lens[r0:r1], req)
+        req = meta.token_rows[t0 : t0 + tc] - r0
+        pos = meta.token_pos[t0 : t0 + tc]
         valid = meta.slot_mapping[t0 : t0 + tc] >= 0
         bt, width = meta.block_table[r0:r1], nb * idx_cache.shape[1]
         if launch_config.resolve_kernel(self.kernel, q_idx.device) == "triton":
@@ -264,7 +271,7 @@ class SparseIndexerImpl:
             [T, H, Dv]; padded tokens give 0.
         """
         t, topk = sel.shape
-        req = token_request_index(meta.query_start_loc, t)
+        req = meta.token_rows[:t]
         count = (sel >= 0).sum(-1).to(torch.int32)
         slots = cache_slots(meta.block_table[req], sel.clamp(min=0), k_cache.shape[1])
         return torch.ops.graphattn.paged_attention(

@@ -164,8 +164,8 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _, _, suffix_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
-                                                    uniform_query_len, max_len, None)
+    suffix_splits = _attention_launch(q, k_cache, v_cache, rows, uniform_query_len, max_len,
+                                      None)[2]
     part, part_lse, splits = launch_shared_prefix(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, shared_rows,
         shared_prefix, scale, softcap, window, suffix_splits)
@@ -174,7 +174,7 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                      parts=(part, part_lse, splits))
     out = q.new_empty(t, h, dv)
     _merge_splits(out, part, part_lse, out if sinks is None else sinks, query_start_loc, rows,
-                  part_lse.shape[-1], consts["DV_PAD"], sinks is not None, False)
+                  part_lse.shape[-1], part.shape[-1], sinks is not None, False)
     return out
 
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphattn.backends.reference import allocate_kv_cache, write_to_cache
+from graphattn.backends.mla import write_latent
+from graphattn.backends.reference import allocate_kv_cache
 from graphattn.backends.sparse_indexer import SparseIndexerImpl, SparseIndexerMetadata
 from graphattn.models.hf_mla import LatentAttention, MLALayout
 
@@ -139,6 +140,6 @@ class SparseLatentAttention(LatentAttention):
             raise ValueError("the sparse latent path needs the indexer's selection (the "
                              "model's attention passes it as `indices`)")
         latent = cache[0]
-        write_to_cache(latent, meta.slot_mapping, torch.cat([kv_c, k_pe], -1).unsqueeze(1))
+        write_latent(latent, meta.slot_mapping, kv_c, k_pe)
         return self._impl(scaling).attend(q, latent, latent[..., :self.layout.kv_lora_rank],
                                           indices[0], meta)

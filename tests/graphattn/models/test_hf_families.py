@@ -67,6 +67,8 @@ GENERIC_EXTRA = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4
                  "moe_intermediate_size": 32, "num_experts_per_tok": 2, "head_dim": 16,
                  "shared_expert_intermediate_size": 32, "moe_num_experts": 4, "pad_token_id": 0,
                  "sliding_window": 8}
+# fields a family's default config leaves None although its forward needs them
+TYPE_EXTRA = {"dots1": {"n_shared_experts": 1}, "dots3_note_text": {"num_key_value_heads": 4}}
 
 
 def build_generic(model_type):
@@ -76,7 +78,7 @@ def build_generic(model_type):
 
     defaults = CONFIG_MAPPING[model_type]()
     extra = {k: v for k, v in GENERIC_EXTRA.items() if hasattr(defaults, k)}
-    cfg = CONFIG_MAPPING[model_type](**{**SMALL, **extra})
+    cfg = CONFIG_MAPPING[model_type](**{**SMALL, **extra, **TYPE_EXTRA.get(model_type, {})})
     torch.manual_seed(0)
     model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(cfg).eval()
     model.config._attn_implementation = "eager"
