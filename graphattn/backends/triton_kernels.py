@@ -511,3 +511,48 @@ def indexer_scores_kernel(
     s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
     tl.store(score + t * stride_st + offs_l, tl.where(vis, s, float("-inf")),
              mask=offs_l < width)
+
+
+@triton.jit
+def _gemv_acc(acc, xt, wt, M_PAD: tl.constexpr, IEEE: tl.constexpr):
+    """acc [M_PAD, BLOCK_N] + xt [M_PAD, BLOCK_K] . wt [BLOCK_N, BLOCK_K]^T, in float32."""
+    if M_PAD == 1:
+        acc += tl.sum(xt.to(tl.float32) * wt.to(tl.float32), 1)[None, :]
+    elif IEEE:
+        acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
+    else:
+        acc += tl.dot(xt, tl.trans(wt))
+    return acc
+
+
+@triton.jit
+def small_m_linear_kernel(
+    x, w, y, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """y[:, n0:n0 + BLOCK_N] = x @ w[n0:n0 + BLOCK_N].T for x's M (<= M_PAD) rows, the
+    weight rows streamed once in BLOCK_K tiles. M_PAD 1: a multiply-and-sum; else tl.dot
+    with the rows padded to M_PAD (>= 16)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w + offs_n[:, None] * stride_wn
+    x_rows = x + offs_m[:, None] * stride_xm
+    k_ok = (offs_k < K)[None, :]
+    wt = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if USE_PDL:  # weights never depend on the previous kernel: the first tile is in flight
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own prologue
+    xt = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+    acc = _gemv_acc(tl.zeros((M_PAD, BLOCK_N), tl.float32), xt, wt, M_PAD, IEEE)
+    for i in range(1, (K + BLOCK_K - 1) // BLOCK_K):
+        kk = i * BLOCK_K + offs_k
+        k_ok = (kk < K)[None, :]
+        wt = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        acc = _gemv_acc(acc, xt, wt, M_PAD, IEEE)
+    tl.store(y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])

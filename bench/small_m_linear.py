@@ -1,0 +1,118 @@
+"""The decode projections of a Llama-3.2-1B shape at few rows: cuBLAS (`F.linear`) against
+the Triton GEMV (`torch.ops.graphattn.small_m_linear`) and some of its launch configs.
+
+    python -m bench.small_m_linear --out bench/results
+
+Each row replays one CUDA graph of 16 layers' chained projections (qkv -> o -> gate/up ->
+down, every layer its own weights, 1.9 GB in bf16: nothing stays in L2) and the LM head,
+and reports µs per step and the weight bytes over that time, beside the HBM bandwidth of a
+device copy in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.graph_replay import event_times, hbm_bandwidth
+from graphattn.backends.linear import GemvConfig, gemv_config, launch_small_m_linear
+
+HIDDEN, QKV, INTER, VOCAB, LAYERS = 2048, 3072, 8192, 128256, 16
+VARIANTS = {"bn8_bk256": dict(block_n=8, block_k=256), "bn16_bk512": dict(block_n=16, block_k=512),
+            "bn32_bk256": dict(block_n=32, block_k=256), "w8_s4": dict(num_warps=8, num_stages=4),
+            "no_pdl": dict(pdl=False)}
+
+
+def layer_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: qkv [3072, 2048], o [2048, 2048], gate/up [16384, 2048], down [2048, 8192]."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    return [(w(QKV, HIDDEN), w(HIDDEN, HIDDEN), w(2 * INTER, HIDDEN), w(HIDDEN, INTER))
+            for _ in range(LAYERS)]
+
+
+def step_fn(linear: Callable, weights: list, head: torch.Tensor, x: torch.Tensor) -> Callable:
+    def step() -> torch.Tensor:
+        h = x
+        for wqkv, wo, wgu, wd in weights:
+            a = linear(h, wqkv)[:, :HIDDEN]
+            h = linear(a, wo)
+            gu = linear(h, wgu)
+            h = linear(gu[:, :INTER].contiguous(), wd)
+        return linear(h, head)
+    return step
+
+
+def graph_time(step: Callable, steps: int) -> float:
+    """Median µs of one replay of `step` captured in a CUDA graph."""
+    for _ in range(2):
+        step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return float(np.median(event_times(graph.replay, steps)))
+
+
+def config_linear(overrides: dict) -> Callable:
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        base = gemv_config(x.shape[0], w.shape[0], w.shape[1], x.device)
+        fields = {f: getattr(base, f) for f in GemvConfig.__slots__}
+        return launch_small_m_linear(x, w, GemvConfig(**{**fields, **overrides}))
+    return linear
+
+
+def rows_for(m: int, weights: list, head: torch.Tensor, bw: float, steps: int,
+             nbytes: int) -> list[dict]:
+    x = torch.randn(m, HIDDEN, device="cuda", dtype=head.dtype)
+    ref = step_fn(torch.nn.functional.linear, weights, head, x)()
+    modes = {"cublas": torch.nn.functional.linear,
+             "gemv": torch.ops.graphattn.small_m_linear,
+             **{f"gemv_{k}": config_linear(v) for k, v in VARIANTS.items()}}
+    rows = []
+    for name, linear in modes.items():
+        try:
+            step = step_fn(linear, weights, head, x)
+            err = float((step().float() - ref.float()).abs().max() / ref.float().abs().max())
+            us = graph_time(step, steps)
+            rows.append({"mode": name, "rows": m, "us": us, "tb_s": nbytes / us / 1e6,
+                         "floor_ratio": us / (nbytes / bw * 1e6), "rel_err": err})
+        except Exception as e:  # noqa: BLE001  (a config the device refuses: reported)
+            rows.append({"mode": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:200]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16", help="comma-separated row counts (M)")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", default=None, help="folder for small_m_linear.json")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    weights = layer_weights(dtype)
+    head = torch.randn(VOCAB, HIDDEN, device="cuda").to(dtype) * HIDDEN ** -0.5
+    nbytes = sum(w.numel() * w.element_size() for ws in weights for w in ws) + head.numel() * 2
+    bw = hbm_bandwidth()
+    print(f"weights {nbytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = [r for m in map(int, args.rows.split(",")) for r in rows_for(m, weights, head, bw,
+                                                                        args.steps, nbytes)]
+    if args.out:
+        meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "command": "python -m bench.small_m_linear",
+                "weight_bytes": nbytes, "copy_bandwidth": bw}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "small_m_linear.json").write_text(
+            json.dumps({**meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

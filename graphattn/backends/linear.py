@@ -1,0 +1,108 @@
+"""Small-M linear layers (decode projections) as a Triton GEMV.
+
+At batch 1 a decode step is a chain of matrix-vector products whose weights are read
+once: the time is the weight bytes over the bandwidth plus each kernel's ramp and tail.
+``torch.ops.graphattn.small_m_linear`` computes ``x @ weight.T`` for up to `MAX_M` rows
+with one program per `block_n` output features (every program streams its weight rows
+once, in `block_k` tiles). With programmatic dependent launch its first weight tile is
+loaded before the wait for the previous kernel, since weights never depend on it. The
+plain `torch.nn.functional.linear` is the reference and the CPU path; `bench.small_m_linear`
+times both per shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphattn.backends.launch_config import device_index, has_pdl, has_triton, num_sms, pow2
+
+__all__ = ["MAX_M", "GemvConfig", "gemv_config", "small_m_linear", "use_small_m_linear"]
+
+MAX_M = 16
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Launch parameters of `small_m_linear_kernel`.
+
+    Attributes
+    ----------
+    block_n, block_k : int
+        Output features per program and weight columns per tile (powers of two).
+    num_warps, num_stages : int
+    pdl : bool
+        Programmatic dependent launch (the first weight tile loaded before the wait).
+    """
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    pdl: bool = False
+
+
+def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
+    """The default config for an [m, k] x [n, k]^T product: the largest `block_n` (16 down
+    to the kernel's floor) that still gives two programs per multiprocessor, PDL where the
+    device has it."""
+    floor, block_n = (8 if m == 1 else 16), 16
+    sms = num_sms(device) if device.type == "cuda" else 132
+    while block_n > floor and -(-n // block_n) < 2 * sms:
+        block_n //= 2
+    pdl = device.type == "cuda" and has_pdl(device_index(device))
+    return GemvConfig(block_n=block_n, block_k=min(512, max(64, pow2(k) // 4)), pdl=pdl)
+
+
+def use_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `small_m_linear` runs the Triton kernel for these operands (CPU numbers:
+    the device, the row count and the dtypes)."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and has_triton()
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16,
+                                                         torch.float32)
+            and weight.stride(-1) == 1 and x.stride(-1) == 1)
+
+
+@torch.library.custom_op("graphattn::small_m_linear", mutates_args=())
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for few rows.
+
+    Parameters
+    ----------
+    x : [M, K]; weight : [N, K], same dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        [M, N] in x's dtype, accumulated in float32. The Triton kernel where
+        `use_small_m_linear` holds, else ``torch.nn.functional.linear``.
+    """
+    if not use_small_m_linear(x, weight):
+        return torch.nn.functional.linear(x, weight)
+    return launch_small_m_linear(x, weight)
+
+
+@small_m_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
+                          config: GemvConfig | None = None) -> torch.Tensor:
+    """`small_m_linear_kernel` over ceil(N / block_n) programs; returns [M, N]."""
+    from graphattn.backends.triton_kernels import small_m_linear_kernel
+
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: expected [N, {k}] for x [{m}, {k}], got "
+                         f"{list(weight.shape)}")
+    cfg = config or gemv_config(m, n, k, x.device)
+    y = x.new_empty(m, n)
+    small_m_linear_kernel[(-(-n // cfg.block_n),)](
+        x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k,
+        M_PAD=max(16, pow2(m)) if m > 1 else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_PDL=cfg.pdl, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        launch_pdl=cfg.pdl)
+    return y
