@@ -9,6 +9,8 @@ Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 `graphattn_compiled_graphs` (inductor-compiled forward inside our graphs),
 `graphattn_compiled_pdl` (the same with `CompileConfig(pdl=True)`: inductor's kernels with
 programmatic dependent launch),
+`graphattn_gemv` (`graphattn_compiled_pdl` with the projections of up to 16 rows through
+the Triton GEMV, `graphattn.backends.linear.swap_linears`),
 `graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
@@ -39,13 +41,14 @@ import torch
 
 from bench.setup import MODELS, add_shape_options, fill_requests, make_setup, set_lengths
 from graphattn import CompileConfig, GraphRunner, RunnerConfig
+from graphattn.backends.linear import swap_linears
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.profiling import StageProfiler
 from graphattn.state import SchedulerOutput
 
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
-                "graphattn_fp8kv")
+                "graphattn_gemv", "graphattn_fp8kv")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -252,7 +255,7 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 
 GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
-          ("graphattn_fp8kv",),
+          ("graphattn_gemv",), ("graphattn_fp8kv",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -299,7 +302,10 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
             if mode == "graphattn_fp8kv":  # the compiled mode over an fp8 KV cache
                 k0 = setup.model.caches[0][0]
                 setup.model.allocate_caches(k0.shape[0] - 1, k0.shape[1], "fp8_e4m3")
-            compile_cfg = CompileConfig(enabled=True, pdl=mode == "graphattn_compiled_pdl")
+            if mode == "graphattn_gemv":  # each mode group has its own process and model
+                swap_linears(setup.model)
+            compile_cfg = CompileConfig(enabled=True, pdl=mode in ("graphattn_compiled_pdl",
+                                                                   "graphattn_gemv"))
             runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
                 setup.model, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))
             runner.graphs.keep_graphs = True  # node counts

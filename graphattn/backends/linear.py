@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from graphattn.backends.launch_config import device_index, has_pdl, has_triton, num_sms, pow2
 
-__all__ = ["MAX_M", "GemvConfig", "gemv_config", "small_m_linear", "use_small_m_linear"]
+__all__ = ["MAX_M", "GemvConfig", "SmallMLinear", "gemv_config", "small_m_linear",
+           "swap_linears", "use_small_m_linear"]
 
 MAX_M = 16
 
@@ -106,3 +108,31 @@ def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         num_stages=cfg.num_stages,
         launch_pdl=cfg.pdl)
     return y
+
+
+class SmallMLinear(nn.Linear):
+    """An `nn.Linear` whose products of up to `MAX_M` rows (leading dims flattened) run
+    ``torch.ops.graphattn.small_m_linear``; the choice is made from the shape, so inside a
+    captured or compiled step it is fixed per batch shape. Made by `swap_linears`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if not use_small_m_linear(flat, self.weight):
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = torch.ops.graphattn.small_m_linear(flat, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def swap_linears(model: nn.Module, enabled: bool = True) -> int:
+    """Turn every plain `nn.Linear` of `model` into a `SmallMLinear` in place (same weights,
+    same module objects), or back with ``enabled=False``; returns how many changed. Call it
+    before the runner captures or compiles."""
+    old, new = (nn.Linear, SmallMLinear) if enabled else (SmallMLinear, nn.Linear)
+    changed = 0
+    for module in model.modules():
+        if type(module) is old:
+            module.__class__ = new
+            changed += 1
+    return changed

@@ -4,7 +4,7 @@ test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split a
 the K/V write, the fused rope + write + decode attention (an fp8 cache too), the rotation
 at far positions, the sparse indexer's scores over the paged index cache and its attention
 over the selection (one-slot pages), and shared-prefix attention (the prefix pass and the
-suffix pass from each row's start, uniform and mixed rows).
+suffix pass from each row's start, uniform and mixed rows), and the small-M GEMV.
 The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
 error on any machine."""
 
@@ -35,6 +35,7 @@ def main() -> None:
 
     from graphattn.backends import launch_config, triton_launch
     from tests.graphattn.backends import test_cascade as tc
+    from tests.graphattn.backends import test_linear as tlin
     from tests.graphattn.backends import test_ops as t
     from tests.graphattn.backends import test_sparse_indexer as ts
 
@@ -118,6 +119,8 @@ def main() -> None:
             out, want = tc.run_cascade("cpu", torch.float32, "triton", feature, prefix, q_len,
                                        uniform)
             torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    for dtype in (torch.float32, torch.float16):  # the small-M GEMV (bf16 dots: GPU only)
+        tlin.check_gemv("cpu", dtype)
     print("checked")
 
 

@@ -1,0 +1,106 @@
+"""The small-M linear op: the Triton GEMV against a float64 product (GPU, and the
+interpreter in test_triton_interpreter), the torch fallback elsewhere, meta shapes, no host
+sync, and capture in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphattn.backends.linear import (
+    MAX_M,
+    GemvConfig,
+    SmallMLinear,
+    gemv_config,
+    launch_small_m_linear,
+    swap_linears,
+    use_small_m_linear,
+)
+from graphattn.sync import no_host_sync
+
+SHAPES = ((1, 40, 96), (3, 72, 300), (16, 40, 96), (MAX_M, 2048, 520))
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def check_gemv(device: str, dtype: torch.dtype, launch=launch_small_m_linear,
+               shapes=SHAPES) -> None:
+    """`launch(x, w)` against x @ w.T in float64 on fresh random operands; the tolerance is
+    relative to the largest output."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in shapes:
+        x = torch.randn(m, k, generator=g, dtype=torch.float64)
+        w = torch.randn(n, k, generator=g, dtype=torch.float64)
+        want = x @ w.T
+        got = launch(x.to(device, dtype), w.to(device, dtype)).double().cpu()
+        assert got.shape == (m, n)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < TOL[dtype], (m, n, k, dtype, err)
+
+
+def _unsynced(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with no_host_sync():
+        return torch.ops.graphattn.small_m_linear(x, w)
+
+
+def test_cpu_runs_the_torch_product_under_no_host_sync():
+    check_gemv("cpu", torch.float32, _unsynced)
+
+
+def test_meta_shapes():
+    x = torch.empty(3, 64, device="meta")
+    w = torch.empty(40, 64, device="meta")
+    assert torch.ops.graphattn.small_m_linear(x, w).shape == (3, 40)
+
+
+def test_kernel_choice_from_cpu_numbers():
+    w = torch.empty(8, 4)
+    assert not use_small_m_linear(torch.empty(1, 4), w)  # CPU
+    assert gemv_config(1, 16384, 2048, torch.device("cpu")).block_n == 16
+    assert gemv_config(1, 2048, 8192, torch.device("cpu")).block_n == 8
+    assert gemv_config(4, 2048, 8192, torch.device("cpu")).block_n == 16  # tl.dot's floor
+
+
+def test_swap_linears_keeps_the_modules_and_their_outputs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4, bias=False))
+    x = torch.randn(2, 3, 8)
+    want = model(x)
+    first = model[0]
+    assert swap_linears(model) == 2 and isinstance(model[0], SmallMLinear)
+    assert model[0] is first
+    torch.testing.assert_close(model(x), want)
+    assert swap_linears(model, enabled=False) == 2 and type(model[0]) is torch.nn.Linear
+
+
+def test_mismatched_weight_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"weight: expected \[N, 64\]"):
+        launch_small_m_linear(torch.empty(1, 64), torch.empty(8, 32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gemv_matches_float64_and_replays_in_a_graph(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(1, 96, device="cuda", dtype=dtype)
+    assert use_small_m_linear(x, torch.empty(8, 96, device="cuda", dtype=dtype))
+    check_gemv("cuda", dtype, _unsynced)
+    for cfg in (GemvConfig(block_n=8), GemvConfig(block_n=32, block_k=64, num_warps=8)):
+        check_gemv("cuda", dtype, lambda a, b, c=cfg: launch_small_m_linear(a, b, c),
+                   shapes=((1, 40, 96), (1, 72, 300)))
+    w = torch.randn(300, 96, device="cuda", dtype=dtype)
+    want = torch.ops.graphattn.small_m_linear(x, w)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with no_host_sync(), torch.cuda.graph(graph):
+            y = torch.ops.graphattn.small_m_linear(x, w)
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(y, want)
+    layer = torch.nn.Linear(96, 300, device="cuda", dtype=dtype)
+    ref = layer(x[None])
+    swap_linears(layer)
+    torch.testing.assert_close(layer(x[None]), ref, rtol=TOL[dtype], atol=TOL[dtype])
