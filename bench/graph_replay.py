@@ -224,18 +224,21 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
     slots = torch.zeros(batch, dtype=torch.int64, device="cuda")
-    total = float(lens.sum()) * hkv * d * 2 * 2
+    caches = {"triton": (kc, vc), "varlen": (kc, vc),  # fp8: the same values, 1 byte each
+              "triton_fp8": tuple(c.to(torch.float8_e4m3fn) for c in (kc, vc))}
     rows = []
-    for kernel in ("triton", "varlen"):
+    for name, (k_cache, v_cache) in caches.items():
+        kernel = name.removesuffix("_fp8")
+        total = float(lens.sum()) * hkv * d * 2 * k_cache.element_size()
         if kernel == "varlen" and not has_varlen_paged():
             rows.append({"mode": "attention_varlen", "batch": batch, "length": length,
                          "error": f"torch {torch.__version__} has no varlen_attn block_table"})
             continue
 
-        def call(kernel=kernel):
-            return torch.ops.graphattn.paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5,
-                                                       batch, 1, kv_bounds(nblk, nblk * bs), 0, 0.0,
-                                                       None, kernel)
+        def call(kernel=kernel, k_cache=k_cache, v_cache=v_cache):
+            return torch.ops.graphattn.paged_attention(
+                q, k_cache, v_cache, qsl, seq, bt, slots, d ** -0.5, batch, 1,
+                kv_bounds(nblk, nblk * bs), 0, 0.0, None, kernel)
 
         try:
             call()
@@ -244,11 +247,11 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
                 call()
             times = event_times(g.replay, 50)
             us = float(np.median(times))
-            rows.append({"mode": f"attention_{kernel}", "batch": batch, "length": length,
+            rows.append({"mode": f"attention_{name}", "batch": batch, "length": length,
                          "us_step": us, "floor_us": 1e6 * total / bw, "x_floor": us / (1e6 *
                          total / bw), "kv_tbps": total / (us * 1e-6) / 1e12})
         except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
-            rows.append({"mode": f"attention_{kernel}", "batch": batch, "length": length,
+            rows.append({"mode": f"attention_{name}", "batch": batch, "length": length,
                          "error": f"{type(e).__name__}: {e}"[:300]})
     return rows
 

@@ -31,12 +31,14 @@ _HOMES = {
     "SamplingParams": "graphattn.sampling",
     "SchedulerOutput": "graphattn.state",
     "StepOutput": "graphattn.capture.step_output",
+    "swap_linears": "graphattn.backends.linear",
     "no_host_sync": "graphattn.sync",
 }
 
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
+    from graphattn.backends.linear import swap_linears
     from graphattn.buckets import BucketPolicy
     from graphattn.capture.drafter import DraftModelProposer
     from graphattn.capture.runner import GraphRunner

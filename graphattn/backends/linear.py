@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphattn.backends.launch_config import device_index, has_pdl, has_triton, num_sms, pow2
+from graphattn.backends.launch_config import has_triton, num_sms, pow2
 
 __all__ = ["MAX_M", "GemvConfig", "SmallMLinear", "gemv_config", "small_m_linear",
            "swap_linears", "use_small_m_linear"]
@@ -47,14 +47,13 @@ class GemvConfig:
 
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     """The default config for an [m, k] x [n, k]^T product: the largest `block_n` (16 down
-    to the kernel's floor) that still gives two programs per multiprocessor, PDL where the
-    device has it."""
+    to the kernel's floor) that still gives two programs per multiprocessor. PDL stays off:
+    in `bench.small_m_linear` (H100) the chain ran slower with it."""
     floor, block_n = (8 if m == 1 else 16), 16
     sms = num_sms(device) if device.type == "cuda" else 132
     while block_n > floor and -(-n // block_n) < 2 * sms:
         block_n //= 2
-    pdl = device.type == "cuda" and has_pdl(device_index(device))
-    return GemvConfig(block_n=block_n, block_k=min(512, max(64, pow2(k) // 4)), pdl=pdl)
+    return GemvConfig(block_n=block_n, block_k=min(512, max(64, pow2(k) // 4)))
 
 
 def use_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:

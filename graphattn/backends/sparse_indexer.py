@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from graphattn.backends.ops import kv_bounds
 from graphattn.backends.paged import (
     PagedAttentionBuilder,
     PagedAttentionMetadata,
+    PagedTensors,
     paged_tensors,
 )
 from graphattn.backends.reference import (
@@ -33,6 +35,7 @@ from graphattn.backends.reference import (
     token_request_index,
     write_to_cache,
 )
+from graphattn.backends.registry import PadValue
 from graphattn.backends.triton_launch import indexer_scores
 from graphattn.keys import GraphKey
 from graphattn.metadata import CommonAttentionMetadata
@@ -86,9 +89,14 @@ class SparseIndexerMetadata(PagedAttentionMetadata):
     prefill_chunks : tuple[PrefillChunk, ...]
     token_rows, token_pos : torch.Tensor
         int64 [T]: each token's row and sequence position (T = len(slot_mapping)), built
-        once per step for every layer's selection and attention.
+        once per step for every layer's selection and attention (graph inputs beside the
+        paged tensors where the build runs outside the capture).
     """
 
+    tensor_fields: ClassVar[tuple[str, ...]] = (*PagedTensors.tensor_fields, "token_rows",
+                                                "token_pos")
+    pad_values: ClassVar[dict[str, PadValue]] = {**PagedTensors.pad_values,
+                                                 "token_rows": "edge", "token_pos": -1}
     prefill_chunks: tuple[PrefillChunk, ...]
     token_rows: torch.Tensor
     token_pos: torch.Tensor

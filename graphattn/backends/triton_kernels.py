@@ -214,6 +214,11 @@ def unified_attention_kernel(
         kv_hi = ctx  # the new position comes from registers
     else:
         qv = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8 and q.dtype.element_ty == tl.bfloat16:
+        # an fp8 cache under bf16 queries: the dots run in fp16, which e4m3 converts to in
+        # one instruction (to bf16 it takes several), and which holds queries, fp8 K / V
+        # and the probabilities
+        qv = qv.to(tl.float16)
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
