@@ -9,7 +9,7 @@ thread: fewer programs fit an SM as they grow; a stack means spills).
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
 split or not, softcap / window / sinks, programmatic dependent launch), the fused
 rope + decode variant at the decode configs' tiles, the split merge, the KV writes (bf16
-and fp8 caches), the shared-prefix pass and the sparse indexer's scores, with
+and fp8 caches), the shared-prefix pass, the sparse indexer's scores and the small-M GEMV, with
 pointers and strides taken divisible by 16 as the JIT specializes them at a launch on real
 caches. The numbers are checked by tests/graphattn/backends/test_triton_interpreter.py
 (Triton's interpreter); this checks the build.
@@ -31,6 +31,7 @@ from graphattn.backends.triton_kernels import (
     merge_splits_kernel,
     rope_write_kv_kernel,
     shared_prefix_kernel,
+    small_m_linear_kernel,
     unified_attention_kernel,
     write_kv_kernel,
 )
@@ -82,7 +83,7 @@ def main() -> None:
                     help="CUDA compute capability to build for (90: H100 / H200)")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    shape = dict(G=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
+    shape = dict(G=4, G_TILE=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
     for uniform, split, cap, win, sinks, pdl in itertools.product(*[(False, True)] * 6):
         if split and not uniform:
             continue  # mixed batches never split
@@ -96,8 +97,10 @@ def main() -> None:
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
               got)
         assert got["pdl_wait"] == pdl
-    for rope, block_n, split, fp8 in itertools.product((False, True), (64, 128),
+    for rope, block_n, split, fp8 in itertools.product((False, True), (64, 128, 256),
                                                        (False, True), (False, True)):
+        if block_n == 256 and not fp8:
+            continue  # 256-key tiles: fp8 only (a config a caller may pass)
         consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
@@ -105,6 +108,16 @@ def main() -> None:
         print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True))
+    for split in (False, True):  # MLA's absorbed decode (DeepSeek-V3: 128 heads over one
+        # 576-wide latent KV head, values its first 512), 16 heads to a program
+        consts = dict(G=128, G_TILE=16, HEAD_DIM=576, HEAD_DIM_V=512, D_PAD=1024,
+                      DV_PAD=512, PAGE=64, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=16, UNIFORM=True,
+                      SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
+                      USE_PDL=True, ROPE_APPEND=False, USE_KV_START=False, FP8=False)
+        got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
+                    launch_pdl=True)
+        print("mla_decode", {"SPLIT": split}, got)
+        assert got["shared"] <= 232448, "over an H100's shared memory per block"
     for uniform, fp8 in itertools.product((False, True), repeat=2):
         # shared-prefix attention's suffix pass (each row from its kv_start, its partials
         # beside the prefix's), and reads of an fp8 cache
@@ -137,6 +150,11 @@ def main() -> None:
                     target, FP8_CACHES if fp8 else None, num_warps=4, launch_pdl=pdl)
         print("rope_write_kv", {"pdl": pdl, "fp8": fp8}, got)
         assert got["pdl_wait"] == pdl
+    for m_pad, block_n in ((1, 8), (1, 16), (16, 16), (16, 32)):  # the small-M GEMV
+        print("small_m_linear", {"M_PAD": m_pad, "BLOCK_N": block_n}, build(
+            small_m_linear_kernel, dict(K=2048, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=256,
+                                        USE_PDL=False, IEEE=False),
+            target, {"x": "*bf16", "w": "*bf16", "y": "*bf16"}, num_warps=4, num_stages=3))
     for ieee in (False, True):  # DeepSeek-V3.2's indexer: 64 heads x 128 (bf16; float32)
         f32 = {"q_idx": "*fp32", "idx_cache": "*fp32"} if ieee else None
         print("indexer_scores", {"IEEE": ieee}, build(indexer_scores_kernel, dict(

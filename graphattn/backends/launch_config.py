@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KERNELS", "PREFILL_CONFIG", "TritonConfig", "decode_config", "device_index",
-           "fuse_rope_decode", "has_pdl", "has_triton", "has_varlen_paged", "num_sms", "pow2",
+__all__ = ["KERNELS", "PREFILL_CONFIG", "TILE_ELEMENTS", "TritonConfig", "decode_config",
+           "device_index", "fuse_rope_decode", "has_pdl", "head_tile", "has_triton", "has_varlen_paged", "num_sms", "pow2",
            "resolve_kernel", "rope_fusable", "split_plan", "tiles"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
@@ -49,6 +49,8 @@ class TritonConfig:
     fuse_rope : bool
         One-token decode launches of this config may take the rotary embedding and the
         K/V write in (`rope_paged_decode`; see `fuse_rope_decode`).
+    head_tile : int
+        Query heads of a KV head per program (0: `head_tile` picks from the shapes).
     """
 
     block_n: int = 64
@@ -57,19 +59,51 @@ class TritonConfig:
     waves: int = 2
     pdl: bool = False
     fuse_rope: bool = False
+    head_tile: int = 0
 
 
 PREFILL_CONFIG = TritonConfig()
+# query rows (token x head) times padded head_dim that one program's tile holds: 32 KB of
+# bf16 queries, so the K / V tiles and their pipeline stages fit the shared memory too
+TILE_ELEMENTS = 16384
 
 
-def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
+def head_tile(group: int, query_len: int, d_pad: int, requested: int = 0) -> int:
+    """Query heads of one KV head's group that one program takes (CPU numbers).
+
+    The whole group where its `query_len` x `group` rows of `d_pad` fit `TILE_ELEMENTS`;
+    else the largest power of two dividing `group` that fits (at least 1): MLA's 128 heads
+    of a 576-wide latent (1,024 padded) go 16 to a program, 8 programs per KV head.
+    `requested` (`TritonConfig.head_tile`) overrides when it divides the group.
+    """
+    if requested:
+        if group % requested:
+            raise ValueError(f"TritonConfig.head_tile = {requested} must divide the "
+                             f"{group} query heads of a KV head")
+        return requested
+    fit = max(1, TILE_ELEMENTS // d_pad // max(query_len, 1))
+    if group <= fit:
+        return group
+    tile = 1
+    while tile * 2 <= fit and group % (tile * 2) == 0:
+        tile *= 2
+    return tile
+
+
+def decode_config(programs: int, pdl: bool = False, kv_bytes: int = 2) -> TritonConfig:
     """Launch config of a uniform-decode key with `programs` = rows x KV heads.
 
     Few programs split each row's KV axis over about two waves of the chip (four below 96
     programs, with 128-key tiles); past about six waves the KV axis is not split and 64-key
     tiles are used. Every split bracket takes the rotary embedding and the K/V write in
     (`fuse_rope`). The brackets come from `python -m bench.tune_attention` on an H200
-    (bench/RESULTS.md).
+    (bench/RESULTS.md), over 2-byte caches.
+
+    Past six waves a 1-byte (fp8) cache gets 128-key tiles: each loop iteration then moves
+    the bytes a 2-byte 64-key tile moves. With 64-key tiles the fp8 step measured no faster
+    than bf16 at 128 rows / 2,048 (bench/RESULTS.md): each program keeps one tile in
+    flight, so half the bytes per tile left half the bandwidth. (The split brackets keep
+    their tiles: 256-key fp8 tiles take 192 registers a thread.)
 
     Parameters
     ----------
@@ -77,6 +111,8 @@ def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
         Rows x KV heads of the launch (CPU numbers).
     pdl : bool
         `TritonConfig.pdl` of the result (the caller knows the device: `has_pdl`).
+    kv_bytes : int
+        Bytes per cache element (2: bf16 / fp16; 1: fp8).
     """
     if programs < 32:
         return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=2, pdl=pdl,
@@ -84,7 +120,8 @@ def decode_config(programs: int, pdl: bool = False) -> TritonConfig:
     if programs < 6 * 132:
         return TritonConfig(block_n=128, num_warps=4, num_stages=2,
                             waves=4 if programs < 96 else 2, pdl=pdl, fuse_rope=True)
-    return TritonConfig(block_n=64, num_warps=4, num_stages=2, waves=1, pdl=pdl)
+    return TritonConfig(block_n=128 if kv_bytes == 1 else 64, num_warps=4, num_stages=2,
+                        waves=1, pdl=pdl)
 
 
 @functools.cache
@@ -164,8 +201,10 @@ def rope_fusable(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 
 def tiles(cfg: TritonConfig, rows: int, num_kv_heads: int, head_dim: int, max_len: int,
            device: torch.device, uniform: bool) -> tuple[int, int]:
-    """(keys per tile, KV splits) of a launch (splits: uniform decode keys only)."""
-    block_n = cfg.block_n if head_dim <= 128 else min(cfg.block_n, 32)
+    """(keys per tile, KV splits) of a launch (splits: uniform decode keys only);
+    `num_kv_heads`: the programs per tile along the heads (KV heads x head groups)."""
+    block_n = cfg.block_n if head_dim <= 128 else min(cfg.block_n,
+                                                      32 if head_dim <= 256 else 16)
     if not uniform:
         return block_n, 1
     return block_n, split_plan(rows, num_kv_heads, max_len, block_n, num_sms(device),

@@ -118,7 +118,7 @@ def unified_attention_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    G: tl.constexpr, G_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
@@ -126,7 +126,10 @@ def unified_attention_kernel(
     USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr,
 ):
-    """`scale` includes an fp8 cache's K scale; `v_scale` (1 otherwise) multiplies the
+    """Program (tile, KV head x head group, split) takes G_TILE of the G query heads of its
+    KV head (all G unless the tile would not fit: MLA's 128 latent heads).
+
+    `scale` includes an fp8 cache's K scale; `v_scale` (1 otherwise) multiplies the
     output (partials too: their merge is a convex sum). FP8: the rotary append stores the
     new K / V as K / k_scale and V / v_scale (`_to_cache`) and seeds from those values.
 
@@ -143,7 +146,8 @@ def unified_attention_kernel(
     if USE_PDL:  # launched early: the previous kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // (G // G_TILE)
+    h0 = kvh * G + tl.program_id(1) % (G // G_TILE) * G_TILE  # first query head it takes
     split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)
@@ -152,10 +156,10 @@ def unified_attention_kernel(
         # tokens past the last row's belong to no row; tile i zeroes those in its own range
         # [i * BLOCK_Q, (i + 1) * BLOCK_Q) (the grid covers every token), so the output
         # needs no fill first
-        zt = tile * BLOCK_Q + offs_m // G
-        zm = ((offs_m < BLOCK_Q * G) & (zt >= tl.load(query_start_loc + num_rows))
+        zt = tile * BLOCK_Q + offs_m // G_TILE
+        zm = ((offs_m < BLOCK_Q * G_TILE) & (zt >= tl.load(query_start_loc + num_rows))
               & (zt < num_tokens))
-        tl.store(out + zt[:, None] * stride_ot + (kvh * G + offs_m % G)[:, None] * stride_oh
+        tl.store(out + zt[:, None] * stride_ot + (h0 + offs_m % G_TILE)[:, None] * stride_oh
                  + offs_dv[None, :], tl.zeros([BLOCK_M, DV_PAD], out.dtype.element_ty),
                  mask=zm[:, None] & dv_ok[None, :])
     if UNIFORM:  # every row fits one tile: program i owns row i (no search, no empty tiles)
@@ -173,10 +177,9 @@ def unified_attention_kernel(
         return
     ctx = seq_len - q_len
 
-    t = local * BLOCK_Q + offs_m // G  # query token of the row
-    g = offs_m % G
-    head = kvh * G + g
-    m_ok = (offs_m < BLOCK_Q * G) & (t < q_len)
+    t = local * BLOCK_Q + offs_m // G_TILE  # query token of the row
+    head = h0 + offs_m % G_TILE
+    m_ok = (offs_m < BLOCK_Q * G_TILE) & (t < q_len)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     tok = q_start + t
@@ -197,12 +200,12 @@ def unified_attention_kernel(
                          q.dtype.element_ty)
         k1 = _to_cache(k1, k_scale, k_cache.dtype.element_ty, FP8)
         k2 = _to_cache(k2, k_scale, k_cache.dtype.element_ty, FP8)
-        v_new = _to_cache(tl.load(q + q_start * stride_qt + (num_heads + tl.num_programs(1)
+        v_new = _to_cache(tl.load(q + q_start * stride_qt + (num_heads + num_heads // G
                                                             + kvh) * stride_qh + offs_dv,
                                   mask=dv_ok, other=0.0), v_scale, v_cache.dtype.element_ty, FP8)
         last = split == num_splits - 1
         new_slot = tl.load(slot_mapping + q_start)
-        w_ok = last & (new_slot >= 0)
+        w_ok = last & (new_slot >= 0) & (h0 == kvh * G)  # one head group writes
         k_to = k_cache + new_slot // PAGE * stride_kb + new_slot % PAGE * stride_ks \
             + kvh * stride_kh
         tl.store(k_to + offs_h, k1, mask=w_ok)

@@ -7,10 +7,12 @@ import torch
 
 from graphattn.backends.launch_config import (
     PREFILL_CONFIG,
+    TILE_ELEMENTS,
     TritonConfig,
     decode_config,
     device_index,
     has_pdl,
+    head_tile,
     num_sms,
     pow2,
     rope_fusable,
@@ -32,26 +34,29 @@ def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int,
                       uniform_query_len: int, max_len: int,
                       config: TritonConfig | None) -> tuple[TritonConfig, int, int, dict]:
-    """(config, tiles, KV splits, constexprs) of one attention launch."""
+    """(config, tiles, KV splits, constexprs) of one attention launch; the grid is
+    (tiles, KV heads x head groups, splits)."""
     t, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
-    g = h // hkv
+    g, d_pad = h // hkv, max(16, pow2(max(d, dv)))
+    device_pdl = has_pdl(device_index(q.device))
+    cfg = config or (decode_config(rows * hkv, device_pdl, k_cache.element_size())
+                     if uniform_query_len else PREFILL_CONFIG)
+    g_tile = head_tile(g, max(uniform_query_len, 1), d_pad, cfg.head_tile)
     if uniform_query_len:  # one tile per row, program i owns row i
         block_q = pow2(uniform_query_len)
         num_tiles = max(rows, -(-t // block_q))
     else:
-        block_q = max(1, 64 // pow2(g))
+        block_q = max(1, min(64 // pow2(g_tile), TILE_ELEMENTS // d_pad // g_tile))
         num_tiles = t // block_q + rows
-    device_pdl = has_pdl(device_index(q.device))
-    cfg = config or (decode_config(rows * hkv, device_pdl) if uniform_query_len
-                     else PREFILL_CONFIG)
     if cfg.pdl and not device_pdl:
         raise ValueError(f"TritonConfig.pdl = True needs programmatic dependent launch (compute "
                          f"capability >= 9 and a Triton with gdc_wait), which {q.device} lacks")
-    block_n, num_splits = tiles(cfg, rows, hkv, max(d, dv), max_len, q.device,
+    block_n, num_splits = tiles(cfg, rows, h // g_tile, max(d, dv), max_len, q.device,
                                 bool(uniform_query_len))
-    consts = dict(G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
-                  DV_PAD=max(16, pow2(dv)), BLOCK_Q=block_q, BLOCK_M=max(16, pow2(block_q * g)),
+    consts = dict(G=g, G_TILE=g_tile, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
+                  DV_PAD=max(16, pow2(dv)), BLOCK_Q=block_q,
+                  BLOCK_M=max(16, pow2(block_q * g_tile)),
                   BLOCK_N=block_n, PAGE=k_cache.shape[1], UNIFORM=bool(uniform_query_len),
                   USE_PDL=cfg.pdl)
     return cfg, num_tiles, num_splits, consts
@@ -104,7 +109,7 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
     num_parts = part_lse.shape[-1] if parts is not None else num_splits
     sink_arg = sinks if sinks is not None else out
-    _launch_unified(cfg, (num_tiles, k_cache.shape[2], num_splits), consts, out, part,
+    _launch_unified(cfg, (num_tiles, h // consts["G_TILE"], num_splits), consts, out, part,
                     part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                     sink_arg, *(rope or (seq_lens,) * 3),
                     seq_lens if kv_start is None else kv_start, scale * scales[0],

@@ -469,6 +469,10 @@ def test_decode_config_carries_pdl_and_splits_wider_below_96_programs():
         launch_config.decode_config(791).waves > launch_config.decode_config(792).waves
     assert all(launch_config.decode_config(p).fuse_rope for p in (1, 31, 32, 95, 96, 791))
     assert not launch_config.decode_config(792).fuse_rope
+    for p in (1, 95, 791):  # an fp8 cache: twice the keys per tile past six waves only
+        assert launch_config.decode_config(p, kv_bytes=1) == launch_config.decode_config(p)
+    assert launch_config.decode_config(792, kv_bytes=1).block_n == 2 * \
+        launch_config.decode_config(792).block_n
 
 
 @pytest.mark.cuda
@@ -520,6 +524,71 @@ def _decode_qkv_reference(case, h, hkv, window, softcap, sinks):
     out = gather_paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, 1,
                                      bt.shape[1], window, softcap, sk)
     return out, kc, vc
+
+
+def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Programs that take 1 or 2 of a KV head's 4 query heads (`TritonConfig.head_tile`)
+    against the float64 reference: one-token rows with the fused rotary append (split and
+    not), then the same caches read by uniform and mixed launches."""
+    h, hkv = 8, 2
+    case = _decode_qkv_case(device, dtype)
+    qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
+    ref, kref, vref = _decode_qkv_reference(case, h, hkv, 0, 0.0, None)
+    q = qkv.view(qkv.shape[0], h + 2 * hkv, -1)[:, :h]
+    rows, nblk = bt.shape
+    for tile, waves in ((1, 0), (2, 64)):
+        k2, v2 = kc.clone(), vc.clone()
+        out = triton_attention(q, k2, v2, qsl, seq, bt, 32 ** -0.5, 1, 64, 0, 0.0, None,
+                               config=TritonConfig(block_n=16, waves=waves, head_tile=tile),
+                               rope=(pos, inv, slots))
+        torch.testing.assert_close(out[:rows].double().cpu(), ref[:rows], rtol=tol, atol=tol)
+        assert out[rows:].abs().sum().item() == 0
+        torch.testing.assert_close(k2.double().cpu(), kref, rtol=tol, atol=tol)
+        torch.testing.assert_close(v2.double().cpu(), vref)
+    q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    want = gather_paged_attention(q2.double().cpu(), kc.double().cpu(), vc.double().cpu(),
+                                  qsl.cpu(), seq.cpu(), bt.cpu(), slots.cpu(), 32 ** -0.5, 0,
+                                  1, nblk, 0, 0.0, None)
+    for uniform, tile in ((1, 2), (0, 1), (0, 2)):
+        out = triton_attention(q2, kc, vc, qsl, seq, bt, 32 ** -0.5, uniform, 64, 0, 0.0,
+                               None, config=TritonConfig(block_n=16, head_tile=tile))
+        torch.testing.assert_close(out[:rows].double().cpu(), want[:rows], rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+def test_head_groups_match_the_reference_on_cuda():
+    check_head_groups("cuda", torch.bfloat16, 3e-2)
+
+
+def test_head_tile_splits_only_what_does_not_fit():
+    from graphattn.backends.launch_config import head_tile
+
+    assert head_tile(4, 1, 64) == 4 and head_tile(8, 4, 128) == 8  # ordinary GQA: whole
+    assert head_tile(128, 1, 1024) == 16 and head_tile(128, 2, 1024) == 8  # MLA's latent
+    assert head_tile(12, 1, 4096) == 4  # the largest power of two dividing the group
+    assert head_tile(8, 1, 64, requested=2) == 2
+    with pytest.raises(ValueError, match="head_tile = 3 must divide"):
+        head_tile(8, 1, 64, requested=3)
+
+
+@pytest.mark.cuda
+def test_mla_latent_decode_runs_in_head_groups_on_cuda():
+    """DeepSeek-V3's absorbed decode: 128 query heads over one 576-wide latent head whose
+    first 512 dims are the values; needs head groups to fit the shared memory."""
+    torch.manual_seed(0)
+    rows, h, d, dv, bs, nblk = 3, 128, 576, 512, 64, 4
+    cache = torch.randn(rows * nblk + 1, bs, 1, d, device="cuda", dtype=torch.bfloat16)
+    bt = torch.arange(rows * nblk, device="cuda", dtype=torch.int32).view(rows, nblk)
+    qsl = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    seq = torch.tensor([5, 200, 256], device="cuda", dtype=torch.int32)
+    q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    want = gather_paged_attention(q.double(), cache.double(), cache[..., :dv].double(), qsl,
+                                  seq, bt, slots, d ** -0.5, 0, 1, nblk, 0, 0.0, None)
+    with no_host_sync():
+        out = triton_attention(q, cache, cache[..., :dv], qsl, seq, bt, d ** -0.5, 1,
+                               nblk * bs, 0, 0.0, None)
+    torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))

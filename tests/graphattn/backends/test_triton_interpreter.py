@@ -1,6 +1,7 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton compiles anything, hence a child process), against the float64 references of
-test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged),
+test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged; programs
+taking part of a KV head's query heads),
 the K/V write, the fused rope + write + decode attention (an fp8 cache too), the rotation
 at far positions, the sparse indexer's scores over the paged index cache and its attention
 over the selection (one-slot pages), and shared-prefix attention (the prefix pass and the
@@ -107,6 +108,7 @@ def main() -> None:
             assert out[rows:].abs().sum().item() == 0
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
+    t.check_head_groups("cpu", torch.float32, 1e-4)  # programs taking part of a KV group
     for name in ("mixed", "decode"):  # an fp8 cache, dequantized in registers
         t.run_steps(name, {}, "cpu", "triton", torch.float32, steps=3, tol=1e-4,
                     cache_dtype=torch.float8_e4m3fn, scales=(0.5, 2.0))
