@@ -26,7 +26,7 @@ from graphattn.backends.linear import GemvConfig, gemv_config, launch_small_m_li
 HIDDEN, QKV, INTER, VOCAB, LAYERS = 2048, 3072, 8192, 128256, 16
 VARIANTS = {"bn8_bk256": dict(block_n=8, block_k=256), "bn16_bk512": dict(block_n=16, block_k=512),
             "bn32_bk256": dict(block_n=32, block_k=256), "w8_s4": dict(num_warps=8, num_stages=4),
-            "no_pdl": dict(pdl=False)}
+            "pdl": dict(pdl=True)}
 
 
 def layer_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["KERNELS", "PREFILL_CONFIG", "TILE_ELEMENTS", "TritonConfig", "decode_config",
-           "device_index", "fuse_rope_decode", "has_pdl", "head_tile", "has_triton", "has_varlen_paged", "num_sms", "pow2",
-           "resolve_kernel", "rope_fusable", "split_plan", "tiles"]
+           "device_index", "fuse_rope_decode", "has_pdl", "has_triton", "has_varlen_paged",
+           "head_tile", "num_sms", "pow2", "resolve_kernel", "rope_fusable", "split_plan",
+           "tiles"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
 

@@ -4,10 +4,11 @@ At batch 1 a decode step is a chain of matrix-vector products whose weights are 
 once: the time is the weight bytes over the bandwidth plus each kernel's ramp and tail.
 ``torch.ops.graphattn.small_m_linear`` computes ``x @ weight.T`` for up to `MAX_M` rows
 with one program per `block_n` output features (every program streams its weight rows
-once, in `block_k` tiles). With programmatic dependent launch its first weight tile is
-loaded before the wait for the previous kernel, since weights never depend on it. The
-plain `torch.nn.functional.linear` is the reference and the CPU path; `bench.small_m_linear`
-times both per shape.
+once, in `block_k` tiles). With programmatic dependent launch (`GemvConfig.pdl`, off by
+default: measured slower) its first weight tile is loaded before the wait for the previous
+kernel, since weights never depend on it. The plain `torch.nn.functional.linear` is the
+reference and the CPU path; `bench.small_m_linear` times both on a 1B's projections (on an
+H100 cuBLAS was faster: the results page), so models use it only through `swap_linears`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphattn.backends.launch_config import has_triton, num_sms, pow2
+from graphattn.backends.launch_config import device_index, has_pdl, has_triton, num_sms, pow2
 
 __all__ = ["MAX_M", "GemvConfig", "SmallMLinear", "gemv_config", "small_m_linear",
            "swap_linears", "use_small_m_linear"]
@@ -99,6 +100,10 @@ def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"weight: expected [N, {k}] for x [{m}, {k}], got "
                          f"{list(weight.shape)}")
     cfg = config or gemv_config(m, n, k, x.device)
+    if cfg.pdl and not (x.is_cuda and has_pdl(device_index(x.device))):
+        raise ValueError(f"GemvConfig.pdl = True needs programmatic dependent launch "
+                         f"(compute capability >= 9, a Triton with gdc_wait); {x.device} "
+                         f"lacks it")
     y = x.new_empty(m, n)
     small_m_linear_kernel[(-(-n // cfg.block_n),)](
         x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k,

@@ -73,9 +73,11 @@ def test_swap_linears_keeps_the_modules_and_their_outputs():
     assert swap_linears(model, enabled=False) == 2 and type(model[0]) is torch.nn.Linear
 
 
-def test_mismatched_weight_is_refused_naming_it():
+def test_mismatched_weight_and_pdl_without_a_gpu_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"weight: expected \[N, 64\]"):
         launch_small_m_linear(torch.empty(1, 64), torch.empty(8, 32))
+    with pytest.raises(ValueError, match=r"GemvConfig.pdl = True needs"):
+        launch_small_m_linear(torch.empty(1, 64), torch.empty(8, 64), GemvConfig(pdl=True))
 
 
 @pytest.mark.cuda
