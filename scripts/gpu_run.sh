@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # CUDA tests and/or benchmarks on a GPU machine, everything under $OUT.
 # Usage: bash scripts/gpu_run.sh PART [PART ...]
-#   tests          pytest -m cuda (cuda_tests.txt)
+#   tests          pytest -m cuda (cuda_tests.txt), each test named as it ends, 150 s each at
+#                  most; TEST_PATHS picks folders (about 9 minutes in all on an H100: run
+#                  "tests/capture tests/graphattn/backends" and the rest as two parts)
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
 #   flex-MODEL     python -m bench.flex_layouts: flex's per-row and packed layouts vs paged
@@ -34,8 +36,8 @@ rc=0
 for part in "$@"; do
   case $part in
     tests)
-      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest ${TEST_PATHS:-tests} -m cuda \
-        ${TEST_K:+-k "$TEST_K"} -p no:cacheprovider -rfEs -v \
+      timeout "${TEST_TIMEOUT:-540}" python3 -m pytest ${TEST_PATHS:-tests} -m cuda \
+        ${TEST_K:+-k "$TEST_K"} -o addopts="" -p no:cacheprovider -rfEs -v --timeout 150 \
         --durations=25 2>&1 | tee -a "$OUT/cuda_tests.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     replay-*)
