@@ -109,8 +109,7 @@ def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k,
         M_PAD=max(16, pow2(m)) if m > 1 else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=cfg.pdl, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        launch_pdl=cfg.pdl)
+        num_stages=cfg.num_stages, launch_pdl=cfg.pdl)
     return y
 
 
