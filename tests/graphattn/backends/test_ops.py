@@ -553,6 +553,18 @@ def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
         out = triton_attention(q2, kc, vc, qsl, seq, bt, 32 ** -0.5, uniform, 64, 0, 0.0,
                                None, config=TritonConfig(block_n=16, head_tile=tile))
         torch.testing.assert_close(out[:rows].double().cpu(), want[:rows], rtol=tol, atol=tol)
+    # two query tokens a row (a verify step), causal within the row
+    q3 = torch.randn(2 * rows, h, q.shape[-1], generator=torch.Generator().manual_seed(2))
+    qsl3 = torch.arange(0, 2 * rows + 1, 2, dtype=torch.int32)
+    seq3 = seq.cpu().clamp(min=2)
+    want = gather_paged_attention(q3.double(), kc.double().cpu(), vc.double().cpu(), qsl3,
+                                  seq3, bt.cpu(), torch.zeros(2 * rows, dtype=torch.int64),
+                                  32 ** -0.5, 0, 1, nblk, 0, 0.0, None)
+    for uniform, tile in ((2, 1), (2, 2), (0, 2)):
+        out = triton_attention(q3.to(device, dtype), kc, vc, qsl3.to(device), seq3.to(device),
+                               bt, 32 ** -0.5, uniform, 64, 0, 0.0, None,
+                               config=TritonConfig(block_n=16, head_tile=tile))
+        torch.testing.assert_close(out.double().cpu(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.cuda
