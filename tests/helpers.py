@@ -25,8 +25,10 @@ def two_request_batch(device="cpu", reqs_padded=4, toks_padded=12):
 def spawn_two_ranks(worker, out_dir, tries: int = 3) -> None:
     """Run ``worker(rank, port, out_dir)`` in 2 processes (gloo rendezvous on a free port).
 
-    A rendezvous can lose its port to another process between the probe and the bind, so a
-    failed run is retried on a fresh port; a real failure fails every try.
+    A rendezvous can lose its port to another process between the probe and the bind, and
+    gloo can abort a rank (SIGABRT from its C++ layer) when a connection drops, so a failed
+    run (an exception or a killed rank) is retried on a fresh port; a real failure fails
+    every try.
     """
     import socket
 
@@ -39,7 +41,7 @@ def spawn_two_ranks(worker, out_dir, tries: int = 3) -> None:
         try:
             mp.spawn(worker, args=(port, str(out_dir)), nprocs=2, join=True)
             return
-        except mp.ProcessRaisedException:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):  # raised, or killed
             if attempt == tries - 1:
                 raise
 
