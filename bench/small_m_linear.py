@@ -6,7 +6,8 @@ the Triton GEMV (`torch.ops.graphattn.small_m_linear`) and some of its launch co
 Each row replays one CUDA graph of 16 layers' chained projections (qkv -> o -> gate/up ->
 down, every layer its own weights, 1.9 GB in bf16: nothing stays in L2) and the LM head,
 and reports µs per step and the weight bytes over that time, beside the HBM bandwidth of a
-device copy in the same process.
+device copy in the same process. Rows with a `shape` time one projection kind alone (its
+16 layers' weights, or the LM head), cuBLAS against the default GEMV.
 """
 
 from __future__ import annotations
@@ -90,6 +91,26 @@ def rows_for(m: int, weights: list, head: torch.Tensor, bw: float, steps: int,
     return rows
 
 
+def shape_rows(m: int, weights: list, head: torch.Tensor, bw: float, steps: int) -> list[dict]:
+    """Each projection kind alone (its 16 layers' weights, or the LM head), cuBLAS against
+    the default GEMV: which shapes, if any, the GEMV should take."""
+    kinds = {"qkv": [ws[0] for ws in weights], "o": [ws[1] for ws in weights],
+             "gate_up": [ws[2] for ws in weights], "down": [ws[3] for ws in weights],
+             "lm_head": [head]}
+    rows = []
+    for kind, ws in kinds.items():
+        x = torch.randn(m, ws[0].shape[1], device="cuda", dtype=head.dtype)
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for name, linear in (("cublas", torch.nn.functional.linear),
+                             ("gemv", torch.ops.graphattn.small_m_linear)):
+            us = graph_time(lambda f=linear, x=x, ws=ws: [f(x, w) for w in ws], steps)
+            rows.append({"mode": name, "rows": m, "shape": kind, "n": ws[0].shape[0],
+                         "k": ws[0].shape[1], "us": us, "tb_s": nbytes / us / 1e6,
+                         "floor_ratio": us / (nbytes / bw * 1e6)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,8 +124,9 @@ def main() -> None:
     nbytes = sum(w.numel() * w.element_size() for ws in weights for w in ws) + head.numel() * 2
     bw = hbm_bandwidth()
     print(f"weights {nbytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    rows = [r for m in map(int, args.rows.split(",")) for r in rows_for(m, weights, head, bw,
-                                                                        args.steps, nbytes)]
+    ms = [int(m) for m in args.rows.split(",")]
+    rows = [r for m in ms for r in rows_for(m, weights, head, bw, args.steps, nbytes)]
+    rows += [r for m in ms for r in shape_rows(m, weights, head, bw, args.steps)]
     if args.out:
         meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "command": "python -m bench.small_m_linear",

@@ -13,6 +13,7 @@ H100 cuBLAS was faster: the results page), so models use it only through `swap_l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,14 +129,23 @@ class SmallMLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def swap_linears(model: nn.Module, enabled: bool = True) -> int:
-    """Turn every plain `nn.Linear` of `model` into a `SmallMLinear` in place (same weights,
-    same module objects), or back with ``enabled=False``; returns how many changed. Call it
-    before the runner captures or compiles."""
+def swap_linears(model: nn.Module, enabled: bool = True,
+                 only: Callable[[nn.Linear], bool] | None = None) -> int:
+    """Turn the plain `nn.Linear` layers of `model` into `SmallMLinear` in place (same
+    weights, same module objects), or back with ``enabled=False``; returns how many
+    changed. Call it before the runner captures or compiles.
+
+    Parameters
+    ----------
+    only : callable, optional
+        Takes a layer, says whether to change it (e.g. ``lambda m: m.in_features >= 8192``
+        for the shapes the GEMV wins on, `bench.small_m_linear`'s per-shape rows); default
+        every layer.
+    """
     old, new = (nn.Linear, SmallMLinear) if enabled else (SmallMLinear, nn.Linear)
     changed = 0
     for module in model.modules():
-        if type(module) is old:
+        if type(module) is old and (only is None or only(module)):
             module.__class__ = new
             changed += 1
     return changed

@@ -71,6 +71,8 @@ def test_swap_linears_keeps_the_modules_and_their_outputs():
     assert model[0] is first
     torch.testing.assert_close(model(x), want)
     assert swap_linears(model, enabled=False) == 2 and type(model[0]) is torch.nn.Linear
+    assert swap_linears(model, only=lambda m: m.in_features == 16) == 1
+    assert type(model[0]) is torch.nn.Linear and isinstance(model[2], SmallMLinear)
 
 
 def test_mismatched_weight_and_pdl_without_a_gpu_are_refused_naming_them():
