@@ -2,7 +2,7 @@
 hand-written compiled peer, same weights (a development aid; run it in its own process,
 since the profiler leaves CUPTI attached).
 
-    python scripts/kernel_profile.py [--model tiny] [--batch 1] [--length 512] [--out DIR]
+    python -m bench.kernel_profile [--model tiny] [--batch 1] [--length 512] [--out DIR]
 
 Prints, per mode, the kernels of one step grouped by name: launches per step, µs per step,
 and the sum of kernel time against the step's CUDA-event time (the gap is launch/idle time

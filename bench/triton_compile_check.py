@@ -4,7 +4,7 @@ compile on the GPU box (a shape redefined in a branch, an intrinsic the installe
 lacks) fails here first, and each variant's resources show (registers and stack bytes per
 thread: fewer programs fit an SM as they grow; a stack means spills).
 
-    python scripts/triton_compile_check.py [--arch 90]
+    python -m bench.triton_compile_check [--arch 90]
 
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
 split or not, softcap / window / sinks, programmatic dependent launch), the fused
