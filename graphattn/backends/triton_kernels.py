@@ -126,7 +126,7 @@ def unified_attention_kernel(
     USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr,
 ):
-    """Program (tile, KV head x head group, split) takes G_TILE of the G query heads of its
+    """Program (tile x head group, KV head, split) takes G_TILE of the G query heads of its
     KV head (all G unless the tile would not fit: MLA's 128 latent heads).
 
     `scale` includes an fp8 cache's K scale; `v_scale` (1 otherwise) multiplies the
@@ -145,9 +145,11 @@ def unified_attention_kernel(
     reads the cache below the new position only (no program reads a slot another writes)."""
     if USE_PDL:  # launched early: the previous kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1) // (G // G_TILE)
-    h0 = kvh * G + tl.program_id(1) % (G // G_TILE) * G_TILE  # first query head it takes
+    # the head groups of a tile are neighbours in launch order: they run together and read
+    # the same K / V tiles while those are in L2
+    tile = tl.program_id(0) // (G // G_TILE)
+    kvh = tl.program_id(1)
+    h0 = kvh * G + tl.program_id(0) % (G // G_TILE) * G_TILE  # first query head it takes
     split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)

@@ -35,7 +35,7 @@ def _attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       uniform_query_len: int, max_len: int,
                       config: TritonConfig | None) -> tuple[TritonConfig, int, int, dict]:
     """(config, tiles, KV splits, constexprs) of one attention launch; the grid is
-    (tiles, KV heads x head groups, splits)."""
+    (tiles x head groups, KV heads, splits)."""
     t, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     g, d_pad = h // hkv, max(16, pow2(max(d, dv)))
@@ -109,7 +109,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
     num_parts = part_lse.shape[-1] if parts is not None else num_splits
     sink_arg = sinks if sinks is not None else out
-    _launch_unified(cfg, (num_tiles, h // consts["G_TILE"], num_splits), consts, out, part,
+    groups = consts["G"] // consts["G_TILE"]
+    _launch_unified(cfg, (num_tiles * groups, k_cache.shape[2], num_splits), consts, out, part,
                     part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                     sink_arg, *(rope or (seq_lens,) * 3),
                     seq_lens if kv_start is None else kv_start, scale * scales[0],
