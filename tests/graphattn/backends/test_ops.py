@@ -527,9 +527,10 @@ def _decode_qkv_reference(case, h, hkv, window, softcap, sinks):
 
 
 def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
-    """Programs that take 1 or 2 of a KV head's 4 query heads (`TritonConfig.head_tile`)
-    against the float64 reference: one-token rows with the fused rotary append (split and
-    not), then the same caches read by uniform and mixed launches."""
+    """Programs that take 1 or 2 of a KV head's 4 query heads (`TritonConfig.head_tile`),
+    launched under no_host_sync(), against the float64 reference: one-token rows with the
+    fused rotary append (split and not), then the same caches read by uniform and mixed
+    launches, one and two query tokens a row."""
     h, hkv = 8, 2
     case = _decode_qkv_case(device, dtype)
     qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
@@ -538,9 +539,11 @@ def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
     rows, nblk = bt.shape
     for tile, waves in ((1, 0), (2, 64)):
         k2, v2 = kc.clone(), vc.clone()
-        out = triton_attention(q, k2, v2, qsl, seq, bt, 32 ** -0.5, 1, 64, 0, 0.0, None,
-                               config=TritonConfig(block_n=16, waves=waves, head_tile=tile),
-                               rope=(pos, inv, slots))
+        with no_host_sync():
+            out = triton_attention(q, k2, v2, qsl, seq, bt, 32 ** -0.5, 1, 64, 0, 0.0, None,
+                                   config=TritonConfig(block_n=16, waves=waves,
+                                                       head_tile=tile),
+                                   rope=(pos, inv, slots))
         torch.testing.assert_close(out[:rows].double().cpu(), ref[:rows], rtol=tol, atol=tol)
         assert out[rows:].abs().sum().item() == 0
         torch.testing.assert_close(k2.double().cpu(), kref, rtol=tol, atol=tol)
@@ -550,8 +553,9 @@ def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
                                   qsl.cpu(), seq.cpu(), bt.cpu(), slots.cpu(), 32 ** -0.5, 0,
                                   1, nblk, 0, 0.0, None)
     for uniform, tile in ((1, 2), (0, 1), (0, 2)):
-        out = triton_attention(q2, kc, vc, qsl, seq, bt, 32 ** -0.5, uniform, 64, 0, 0.0,
-                               None, config=TritonConfig(block_n=16, head_tile=tile))
+        with no_host_sync():
+            out = triton_attention(q2, kc, vc, qsl, seq, bt, 32 ** -0.5, uniform, 64, 0, 0.0,
+                                   None, config=TritonConfig(block_n=16, head_tile=tile))
         torch.testing.assert_close(out[:rows].double().cpu(), want[:rows], rtol=tol, atol=tol)
     # two query tokens a row (a verify step), causal within the row
     q3 = torch.randn(2 * rows, h, q.shape[-1], generator=torch.Generator().manual_seed(2))
@@ -561,9 +565,10 @@ def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
                                   seq3, bt.cpu(), torch.zeros(2 * rows, dtype=torch.int64),
                                   32 ** -0.5, 0, 1, nblk, 0, 0.0, None)
     for uniform, tile in ((2, 1), (2, 2), (0, 2)):
-        out = triton_attention(q3.to(device, dtype), kc, vc, qsl3.to(device), seq3.to(device),
-                               bt, 32 ** -0.5, uniform, 64, 0, 0.0, None,
-                               config=TritonConfig(block_n=16, head_tile=tile))
+        q3d, qsl3d, seq3d = q3.to(device, dtype), qsl3.to(device), seq3.to(device)
+        with no_host_sync():
+            out = triton_attention(q3d, kc, vc, qsl3d, seq3d, bt, 32 ** -0.5, uniform, 64, 0,
+                                   0.0, None, config=TritonConfig(block_n=16, head_tile=tile))
         torch.testing.assert_close(out.double().cpu(), want, rtol=tol, atol=tol)
 
 
