@@ -2,8 +2,9 @@
 # CUDA tests and/or benchmarks on a GPU machine, everything under $OUT.
 # Usage: bash scripts/gpu_run.sh PART [PART ...]
 #   tests          pytest -m cuda (cuda_tests.txt), each test named as it ends, 150 s each at
-#                  most; TEST_PATHS picks folders (about 9 minutes in all on an H100: run
-#                  "tests/capture tests/graphattn/backends" and the rest as two parts)
+#                  most; TEST_PATHS picks folders, TEST_K tests, TEST_ARGS adds options
+#                  (about 9 minutes in all on an H100 in one process; TEST_ARGS="-n 4" runs
+#                  four pytest-xdist workers on the one GPU)
 #   replay-MODEL   python -m bench.graph_replay --models MODEL, all modes but reduce-overhead
 #   compile-MODEL  the torch.compile reduce-overhead baseline of MODEL (its own process)
 #   flex-MODEL     python -m bench.flex_layouts: flex's per-row and packed layouts vs paged
@@ -11,11 +12,12 @@
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
 #   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
-#                  PROFILE_SHAPES="B:L ..."), inductor's output code beside
+#                  PROFILE_SHAPES="B:L ...", PROFILE_MODEL=1b), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
 #   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all)
 #   spec-MODEL     python -m bench.speculative --model MODEL (plain, n-gram, draft models)
 #   prefix         python -m bench.prefix_cache, 1,024- and 4,096-token shared prompts
+#                  (PREFIX_SHAPES="P:N ..." prompt and requests; PREFIX_ARGS adds options)
 #   deepseek       python -m bench.deepseek_step (DeepSeek-V3.2-shaped stack: sparse vs dense
 #                  latent attention; DS_ARGS adds options)
 #   gemv           python -m bench.small_m_linear (cuBLAS vs the Triton GEMV, 1B projections)
@@ -37,7 +39,7 @@ for part in "$@"; do
   case $part in
     tests)
       timeout "${TEST_TIMEOUT:-540}" python3 -m pytest ${TEST_PATHS:-tests} -m cuda \
-        ${TEST_K:+-k "$TEST_K"} -o addopts="" -p no:cacheprovider -rfEs -v --timeout 150 \
+        ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} -o addopts="" -p no:cacheprovider -rfEs -v --timeout 150 \
         --durations=25 2>&1 | tee -a "$OUT/cuda_tests.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     replay-*)
@@ -70,7 +72,8 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0])) ;;
     profile)
       for bl in ${PROFILE_SHAPES:-1:512 128:2048}; do
-        TORCH_LOGS=output_code python3 -m bench.kernel_profile --batch "${bl%:*}" \
+        TORCH_LOGS=output_code python3 -m bench.kernel_profile --model "${PROFILE_MODEL:-tiny}" \
+          --batch "${bl%:*}" \
           --length "${bl#*:}" --out "$OUT" 2> "$OUT/output_code_${bl/:/_}.txt" \
           | tee -a "$OUT/kernel_profile.txt"
         rc=$((rc | PIPESTATUS[0]))
@@ -92,10 +95,9 @@ for part in "$@"; do
         | tr '\r' '\n' | grep -v 'it/s\]' | tee -a "$OUT/speculative.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     prefix)
-      for p in 1024 4096; do
-        mkdir -p "$OUT/prefix_$p"
-        python3 -m bench.prefix_cache --model "${PREFIX_MODEL:-1b}" --prefix $p \
-          --requests 16 --out "$OUT/prefix_$p" 2>&1 | tee -a "$OUT/prefix_cache.txt"
+      for pn in ${PREFIX_SHAPES:-1024:16 4096:16}; do
+        python3 -m bench.prefix_cache --model "${PREFIX_MODEL:-1b}" --prefix "${pn%:*}" \
+          --requests "${pn#*:}" --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee -a "$OUT/prefix_cache.txt"
         rc=$((rc | PIPESTATUS[0]))
       done ;;
     deepseek)
