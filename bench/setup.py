@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from graphattn import BucketPolicy, GraphRunner, RunnerConfig
+from graphattn.keys import CUDAGraphMode
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState
 
@@ -30,8 +31,12 @@ class Setup:
 
 def make_setup(device: str, max_reqs: int, max_len: int, policy: BucketPolicy,
                cfg: TinyConfig = BENCH_MODEL, block_size: int = 16, seed: int = 0,
-               model: TinyDecoder | None = None, **runner_kwargs) -> Setup:
-    """Model (bf16 on CUDA; shared when given), state, caches and a GraphRunner."""
+               model: TinyDecoder | None = None, *, compile: bool = False,
+               mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE,
+               **runner_kwargs) -> Setup:
+    """Model (bf16 on CUDA; shared when given), state, caches and a GraphRunner of
+    `RunnerConfig(policy, compile, cudagraph_mode=mode)`; `runner_kwargs` go to
+    `GraphRunner` (``profiler=``)."""
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if model is None:
@@ -39,7 +44,8 @@ def make_setup(device: str, max_reqs: int, max_len: int, policy: BucketPolicy,
     st = RequestState(max_reqs, max_len, block_size, device)
     if not model.caches:
         model.allocate_caches(max_reqs * st.max_num_blocks_per_req, block_size)
-    return Setup(model, st, GraphRunner(model, st, RunnerConfig(policy=policy), **runner_kwargs))
+    config = RunnerConfig(policy=policy, compile=compile, cudagraph_mode=mode)
+    return Setup(model, st, GraphRunner(model, st, config, **runner_kwargs))
 
 
 def set_lengths(state: RequestState, lengths: np.ndarray) -> None:

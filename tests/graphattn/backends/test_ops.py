@@ -621,7 +621,8 @@ def test_rope_paged_decode_matches_float64_reference(feature, device, dtype, spl
     float64; on CUDA again from a captured graph replayed at new device lengths."""
     if not split:
         monkeypatch.setattr(triton_launch, "decode_config",
-                            lambda programs, pdl=False: TritonConfig(block_n=16, waves=0, pdl=pdl))
+                            lambda programs, pdl=False, kv_bytes=2: TritonConfig(
+                                block_n=16, waves=0, pdl=pdl))
     h, hkv, nblk, bs = 8, 2, 8, 8
     feats = dict(FEATURES[feature])
     window, softcap = feats.get("window", 0), feats.get("softcap", 0.0)

@@ -1,0 +1,15 @@
+"""The benchmarks' shared set-up: runner options reach `RunnerConfig`, the rest `GraphRunner`."""
+
+from bench.setup import make_setup
+from graphattn import BucketPolicy
+from graphattn.keys import CUDAGraphMode
+
+
+def test_make_setup_routes_compile_and_graph_mode_into_the_runner_config():
+    policy = BucketPolicy(capture_sizes=(2,), length_boundaries=(256,),
+                          piecewise_token_sizes=(8,))
+    setup = make_setup("cpu", 2, 256, policy, compile=True, mode=CUDAGraphMode.PIECEWISE)
+    assert setup.runner.config.compile.enabled
+    assert setup.runner.config.cudagraph_mode is CUDAGraphMode.PIECEWISE
+    assert setup.runner.config.policy is policy
+    assert not make_setup("cpu", 2, 256, policy).runner.config.compile.enabled
