@@ -128,7 +128,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="torch device")
-    ap.add_argument("--out", default=None, help="folder for prefix_cache.json")
+    ap.add_argument("--out", default=None,
+                    help="folder for prefix_cache_MODEL_PREFIX[_compiled].json")
     ap.add_argument("--compile", action="store_true", help="inductor inside the graphs")
     ap.add_argument("--profile", action="store_true",
                     help="print each row's decode kernels (CUDA; torch.profiler)")
@@ -157,7 +158,8 @@ def main() -> None:
     if args.out:
         meta = result_meta("bench.prefix_cache", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"prefix_cache_{args.model}_{args.prefix}.json").write_text(
+        name = f"prefix_cache_{args.model}_{args.prefix}{'_compiled' if args.compile else ''}"
+        (Path(args.out) / f"{name}.json").write_text(
             json.dumps({**meta, "rows": rows}, indent=1))
 
 

@@ -91,7 +91,7 @@ def main() -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, USE_PDL=pdl,
-                      ROPE_APPEND=False, USE_KV_START=False, FP8=False)
+                      ROPE_APPEND=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
@@ -104,7 +104,7 @@ def main() -> None:
         consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
-                      FP8=fp8)
+                      FP8=fp8, PREFIX_PARTS=0)
         print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True))
@@ -113,20 +113,23 @@ def main() -> None:
         consts = dict(G=128, G_TILE=16, HEAD_DIM=576, HEAD_DIM_V=512, D_PAD=1024,
                       DV_PAD=512, PAGE=64, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=16, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      USE_PDL=True, ROPE_APPEND=False, USE_KV_START=False, FP8=False)
+                      USE_PDL=True, ROPE_APPEND=False, USE_KV_START=False, FP8=False,
+                      PREFIX_PARTS=0)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=True)
         print("mla_decode", {"SPLIT": split}, got)
         assert got["shared"] <= 232448, "over an H100's shared memory per block"
-    for uniform, fp8 in itertools.product((False, True), repeat=2):
-        # shared-prefix attention's suffix pass (each row from its kv_start, its partials
-        # beside the prefix's), and reads of an fp8 cache
+    for uniform, fp8, fold in itertools.product((False, True), repeat=3):
+        # shared-prefix attention's suffix pass (each row from its kv_start; split: its
+        # partials beside the prefix's; fold: its softmax from the prefix's five partials),
+        # and reads of an fp8 cache
         tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64) if uniform else dict(
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
-        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=True, USE_SOFTCAP=False,
+        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=not fold, USE_SOFTCAP=False,
                       USE_WINDOW=False, USE_SINKS=False, USE_PDL=uniform,
-                      ROPE_APPEND=False, USE_KV_START=True, FP8=fp8)
-        print("suffix", {"UNIFORM": uniform, "fp8": fp8},
+                      ROPE_APPEND=False, USE_KV_START=True, FP8=fp8,
+                      PREFIX_PARTS=5 if fold else 0)
+        print("suffix", {"UNIFORM": uniform, "fp8": fp8, "PREFIX_PARTS": consts["PREFIX_PARTS"]},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2))
     for win, fp8 in itertools.product((False, True), repeat=2):

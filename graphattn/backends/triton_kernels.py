@@ -107,6 +107,21 @@ def _online_softmax_tile(s, m_i, l_i, acc, qv, v_cache, page, slot, v_head, stri
 
 
 @triton.jit
+def _fold_partial(m_i, l_i, acc, part_out, part_lse, at, m_ok, offs_dv, dv_ok,
+                  DV_PAD: tl.constexpr):
+    """Fold the normalized partial at `at` (output part_out[at], log2-sum-exp part_lse[at])
+    into a running softmax (m_i, l_i in log2 units, unnormalized acc); returns the three."""
+    lse = tl.load(part_lse + at, mask=m_ok, other=float("-inf"))
+    o = tl.load(part_out + at[:, None] * DV_PAD + offs_dv[None, :],
+                mask=(m_ok & (lse > float("-inf")))[:, None] & dv_ok[None, :], other=0.0)
+    m_new = tl.maximum(m_i, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    w = tl.exp2(lse - m_safe)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
+
+
+@triton.jit
 def unified_attention_kernel(
     out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
@@ -124,7 +139,7 @@ def unified_attention_kernel(
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
-    USE_KV_START: tl.constexpr, FP8: tl.constexpr,
+    USE_KV_START: tl.constexpr, FP8: tl.constexpr, PREFIX_PARTS: tl.constexpr,
 ):
     """Program (tile x head group, KV head, split) takes G_TILE of the G query heads of its
     KV head (all G unless the tile would not fit: MLA's 128 latent heads).
@@ -136,6 +151,8 @@ def unified_attention_kernel(
     USE_KV_START: each row reads keys from ``kv_start[row]`` on (the suffix pass of
     shared-prefix attention). SPLIT: split i writes its partial at part ``part_base + i`` of
     `num_parts` per (token, head) (the suffix pass fills the parts after the prefix's).
+    PREFIX_PARTS > 0 (unsplit suffix passes): the softmax starts from parts 0 ..
+    PREFIX_PARTS - 1 of `num_parts` (the prefix pass's), so the output is final.
 
     ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
     equal to HEAD_DIM_V): `q` is the q-head view of a fused qkv [T, (H + 2 Hkv) * D] (k and
@@ -250,6 +267,10 @@ def unified_attention_kernel(
                        float("-inf"))
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
         acc = l_i[:, None] * v_new.to(tl.float32)[None, :]
+    for part_i in tl.static_range(PREFIX_PARTS):
+        m_i, l_i, acc = _fold_partial(
+            m_i, l_i, acc, part_out, part_lse, (tok * num_heads + head) * num_parts + part_i,
+            m_ok, offs_dv, dv_ok, DV_PAD)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)

@@ -70,7 +70,9 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      kv_start: torch.Tensor | None = None,
                      parts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                     scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor | None:
+                     scales: tuple[float, float] = (1.0, 1.0),
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor | None:
     """Paged attention through the unified kernel (+ the split merge); see
     `torch.ops.graphattn.paged_attention` for the arguments.
 
@@ -81,6 +83,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (`rope_paged_decode`); `kv_start`: int32 [rows], each row's first key (default 0);
     `parts`: (part [T, H, P, DV_PAD], part_lse [T, H, P], base): write the splits' partials
     at parts base, base + 1, ... and merge nothing (returns None; `triton_cascade`);
+    `prefix`: (part [T, H, S, DV_PAD], part_lse [T, H, S]) of a prefix pass, which each
+    program's softmax starts from (an unsplit launch only; `triton_cascade`);
     `scales`: an fp8 cache's (k_scale, v_scale): K's folds into `scale`, V's multiplies the
     output, and the rotary append stores its new K / V divided by them. Returns [T, H, Dv]
     in q's dtype, 0 for padded tokens.
@@ -99,15 +103,14 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     consts.update(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
                   USE_SINKS=sinks is not None and parts is None,
                   USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
-                  SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None)
+                  SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None,
+                  PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1])
+    if prefix is not None and consts["SPLIT"]:
+        raise ValueError(f"a prefix pass's partials fold into an unsplit launch only; this "
+                         f"one has {num_splits} splits")
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]
-    part, part_lse, base = parts or (out, out, 0)
-    if parts is None and num_splits > 1:
-        part = torch.empty(t * h * num_splits, consts["DV_PAD"], dtype=torch.float32,
-                           device=q.device)
-        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q.device)
-    num_parts = part_lse.shape[-1] if parts is not None else num_splits
+    part, part_lse, base, num_parts = _partials(out, parts, prefix, num_splits, consts["DV_PAD"])
     sink_arg = sinks if sinks is not None else out
     groups = consts["G"] // consts["G_TILE"]
     _launch_unified(cfg, (num_tiles * groups, k_cache.shape[2], num_splits), consts, out, part,
@@ -122,6 +125,23 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _merge_splits(out, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
                       consts["DV_PAD"], sinks is not None, cfg.pdl)
     return out
+
+
+def _partials(out: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, int] | None,
+              prefix: tuple[torch.Tensor, torch.Tensor] | None, num_splits: int,
+              dv_pad: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(part, part_lse, part_base, num_parts) of a launch writing `out` [T, H, Dv]: the
+    caller's `parts`, the prefix pass's partials it starts from, fresh buffers for its own
+    splits, or `out` as a placeholder (unsplit)."""
+    if parts is not None:
+        return parts[0], parts[1], parts[2], parts[1].shape[-1]
+    if prefix is not None:
+        return prefix[0], prefix[1], 0, prefix[1].shape[-1]
+    if num_splits == 1:
+        return out, out, 0, 1
+    n = out.shape[0] * out.shape[1] * num_splits
+    return (torch.empty(n, dv_pad, dtype=torch.float32, device=out.device),
+            torch.empty(n, dtype=torch.float32, device=out.device), 0, num_splits)
 
 
 def _launch_unified(cfg: TritonConfig, grid: tuple[int, int, int], consts: dict,
@@ -158,12 +178,14 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    block_table: torch.Tensor, scale: float, uniform_query_len: int,
                    max_len: int, shared_rows: torch.Tensor, shared_prefix: int, window: int,
                    softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Shared-prefix attention in three launches: the prefix pass (`shared_prefix_kernel`,
-    its token bounds and the group's block table found in the kernel), the suffix pass (the
-    unified kernel from each group row's `shared_prefix`, from 0 for the others, its splits'
-    partials written beside the prefix's) and one `merge_splits_kernel` over all of them
-    (the sinks counted there, once). Arguments as `torch.ops.graphattn.cascade_attention`'s;
-    returns [T, H, Dv] in q's dtype, 0 for padded tokens."""
+    """Shared-prefix attention: the prefix pass (`shared_prefix_kernel`, its token bounds and
+    the group's block table found in the kernel), then the suffix pass (the unified kernel
+    from each group row's `shared_prefix`, from 0 for the others). An unsplit suffix pass
+    starts each softmax from the prefix's partials and writes the output (two launches);
+    a split one writes its partials beside the prefix's, merged by one
+    `merge_splits_kernel` (three; the sinks counted once either way). Arguments as
+    `torch.ops.graphattn.cascade_attention`'s; returns [T, H, Dv] in q's dtype, 0 for
+    padded tokens."""
     t, h, _ = q.shape
     rows, dv = block_table.shape[0], v_cache.shape[-1]
     if t == 0 or rows == 0:
@@ -172,9 +194,14 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q = q.contiguous()
     suffix_splits = _attention_launch(q, k_cache, v_cache, rows, uniform_query_len, max_len,
                                       None)[2]
+    fold = suffix_splits == 1
     part, part_lse, splits = launch_shared_prefix(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, shared_rows,
-        shared_prefix, scale, softcap, window, suffix_splits)
+        shared_prefix, scale, softcap, window, 0 if fold else suffix_splits)
+    if fold:
+        return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                scale, uniform_query_len, max_len, window, softcap, sinks,
+                                kv_start=shared_rows, prefix=(part, part_lse))
     triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
                      uniform_query_len, max_len, window, softcap, None, kv_start=shared_rows,
                      parts=(part, part_lse, splits))
