@@ -172,7 +172,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     the prefix's keys are read once for all their tokens through the first such row's
     block table, each row's own keys from position `shared_prefix` on (from 0 outside the
     group), and the two partial softmaxes are merged by their log-sum-exp
-    (`triton_cascade`: three launches). Sinks count once.
+    (`triton_cascade`: two launches, three where the suffix pass splits). Sinks count once.
 
     Parameters
     ----------
