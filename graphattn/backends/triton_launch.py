@@ -105,9 +105,6 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
                   SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None,
                   PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1])
-    if prefix is not None and consts["SPLIT"]:
-        raise ValueError(f"a prefix pass's partials fold into an unsplit launch only; this "
-                         f"one has {num_splits} splits")
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]
     part, part_lse, base, num_parts = _partials(out, parts, prefix, num_splits, consts["DV_PAD"])
@@ -131,11 +128,14 @@ def _partials(out: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, int] |
               prefix: tuple[torch.Tensor, torch.Tensor] | None, num_splits: int,
               dv_pad: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """(part, part_lse, part_base, num_parts) of a launch writing `out` [T, H, Dv]: the
-    caller's `parts`, the prefix pass's partials it starts from, fresh buffers for its own
-    splits, or `out` as a placeholder (unsplit)."""
+    caller's `parts`, the prefix pass's partials it starts from (ValueError for a split
+    launch), fresh buffers for its own splits, or `out` as a placeholder (unsplit)."""
     if parts is not None:
         return parts[0], parts[1], parts[2], parts[1].shape[-1]
     if prefix is not None:
+        if num_splits > 1:
+            raise ValueError(f"a prefix pass's partials fold into an unsplit launch only; "
+                             f"this one has {num_splits} splits")
         return prefix[0], prefix[1], 0, prefix[1].shape[-1]
     if num_splits == 1:
         return out, out, 0, 1
