@@ -42,9 +42,9 @@ def _runner(model: TinyDecoder, device: str, max_reqs: int, max_len: int,
     st = RequestState(max_reqs, max_len, BLOCK, device)
     model.allocate_caches(st.num_kv_blocks, BLOCK)
     bounds = tuple(b for b in (512, 2048, 8192) if b < max_len) + (max_len,)
-    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s < max_reqs) + (max_reqs,)
+    # decode steps run all N rows (the prompts are prefilled by mixed keys): one decode size
     runner = GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(
-        capture_sizes=sizes, length_boundaries=bounds, mixed_token_sizes=(256, 512),
+        capture_sizes=(max_reqs,), length_boundaries=bounds, mixed_token_sizes=(256, 512),
         shared_prefix_sizes=(prefix // BLOCK * BLOCK,) if prefix else ()), compile=compile))
     runner.capture(progress=False)
     return runner
