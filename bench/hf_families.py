@@ -151,6 +151,7 @@ def write_sweep(path: Path, rows: list[dict], partial: bool) -> None:
     path.write_text(json.dumps({**meta, "rows": sorted(rows, key=lambda r: r["type"])},
                                indent=1))
 
+
 def table() -> None:
     from graphattn.models.hf import HFCausalLM
 

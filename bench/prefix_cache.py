@@ -70,8 +70,8 @@ def serve(runner: GraphRunner, prompts: list[np.ndarray], new: int, cache: bool,
     for group in ([0], list(range(1, len(prompts)))):
         t = time.perf_counter()
         for i in group:
-            blocks, done = manager.allocate(f"r{i}", prompts[i],
-                                            len(prompts[i]) + new + 1 + PROFILE_STEPS)
+            blocks, done = manager.allocate(f"r{i}", prompts[i], len(prompts[i]) + new + 1
+                                            + (PROFILE_STEPS if profile else 0))
             runner.add_request(f"r{i}", prompts[i], blocks, done if cache else 0)
             prefilled += len(prompts[i]) - (done if cache else 0)
         _until_first_tokens(runner, [f"r{i}" for i in group])
@@ -144,7 +144,7 @@ def main() -> None:
     prompts = [np.concatenate([system, rng.integers(0, vocab, int(rng.integers(64, 513)))])
                for _ in range(args.requests)]
     max_len = -(-(args.prefix + 512 + args.new + 1) // 512) * 512
-    max_len += PROFILE_STEPS
+    max_len += PROFILE_STEPS if args.profile else 0  # room for the profiled steps
     runner = _runner(model, args.device, args.requests, max_len, 0, args.compile)
     rows = [serve(runner, prompts, args.new, cache, args.profile) for cache in (False, True)]
     del runner
