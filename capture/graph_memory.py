@@ -1,15 +1,17 @@
-"""The graph pool's size before capture: an estimate from one eager step per key, and the
-capture sizes that fit a memory budget.
+"""The graph pool's size before capture: an estimate from one dry-run capture per key, and
+the capture sizes that fit a memory budget.
 
 Graphs captured largest first into one pool reuse each other's freed intermediates (they
 never run at once); what each graph keeps is its outputs. So the pool needs about the
-largest key's intermediates plus every key's outputs:
+largest key's scratch plus every key's kept outputs:
 
-    pool ~ max_k (peak_k - outputs_k) + sum_k outputs_k
+    pool ~ max_k (alone_k - kept_k) + sum_k kept_k
 
-with peak_k the allocator's peak above the baseline during an eager step of key k at its
-padded shapes (all rows padded: no state changes), rounded up to the allocator's 2 MiB
-segments. A caller sizes its KV cache as ``free - weights - activations - estimate``.
+with alone_k the segments of key k's graph captured alone into a fresh pool (then
+released): the allocator's rounding, the workspaces a capture allocates and everything the
+graph's run allocates count as in the real capture. Outputs the manager does not keep (its
+`scratch_outputs`: the runner's logits) count with the scratch. A caller sizes its KV
+cache as ``free - weights - activations - estimate``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from graphattn.buckets import BucketPolicy
 from graphattn.keys import GraphKey, capture_order
@@ -36,59 +36,43 @@ class GraphMemoryEstimate:
     ----------
     keys : tuple[GraphKey, ...]
         Largest first (capture order).
-    peak_bytes : tuple[int, ...]
-        Allocator peak above the baseline during each key's eager step (0 off CUDA: no
-        allocator statistics there, and no graph pool either).
-    output_bytes : tuple[int, ...]
-        Bytes of each key's outputs, which its graph keeps allocated.
+    alone_bytes : tuple[int, ...]
+        The pool segments of each key's graph captured alone (0 off CUDA: no graph pool).
+    kept_bytes : tuple[int, ...]
+        Bytes of each key's outputs that its graph keeps allocated.
     """
 
     keys: tuple[GraphKey, ...]
-    peak_bytes: tuple[int, ...]
-    output_bytes: tuple[int, ...]
+    alone_bytes: tuple[int, ...]
+    kept_bytes: tuple[int, ...]
 
     @property
     def total_bytes(self) -> int:
-        """max(peak - outputs) + sum(outputs), rounded up to 2 MiB (0 without keys)."""
+        """max(alone - kept) + sum(kept), rounded up to 2 MiB (0 without keys)."""
         if not self.keys:
             return 0
-        scratch = max(max(p - o, 0) for p, o in zip(self.peak_bytes, self.output_bytes,
+        scratch = max(max(a - k, 0) for a, k in zip(self.alone_bytes, self.kept_bytes,
                                                    strict=True))
-        total = scratch + sum(self.output_bytes)
+        total = scratch + sum(self.kept_bytes)
         return -(-total // SEGMENT) * SEGMENT
 
     def without(self, drop: set[GraphKey]) -> GraphMemoryEstimate:
         """The estimate of the keys not in `drop`."""
-        rows = [r for r in zip(self.keys, self.peak_bytes, self.output_bytes, strict=True)
+        rows = [r for r in zip(self.keys, self.alone_bytes, self.kept_bytes, strict=True)
                 if r[0] not in drop]
         return GraphMemoryEstimate(*(tuple(c) for c in zip(*rows, strict=True))) if rows \
             else GraphMemoryEstimate((), (), ())
 
 
-def measure_keys(keys: Sequence[GraphKey], run: Callable[[GraphKey], object],
-                 device: torch.device) -> GraphMemoryEstimate:
-    """Run ``run(key)`` (an eager step at the key's padded shapes returning its outputs) once
-    per key, largest first, and record its allocator peak and output bytes."""
+def measure_keys(keys: Sequence[GraphKey],
+                 capture_alone: Callable[[list[GraphKey]], list[tuple[int, int]]],
+                 ) -> GraphMemoryEstimate:
+    """The estimate of `keys` from ``capture_alone(keys)`` (`CUDAGraphManager.capture_alone`:
+    per key, largest first, its pool bytes captured alone and its kept output bytes)."""
     order = sorted(set(keys), key=capture_order, reverse=True)
-    cuda = device.type == "cuda"
-    peaks, outputs = [], []
-    for key in order:
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        outs = run(key)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (outs if isinstance(outs, tuple) else (outs,))
-                    if isinstance(t, torch.Tensor)}
-        outputs.append(sum(storages.values()))
-        if cuda:
-            torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) - base)
-        else:
-            peaks.append(0)
-        del outs
-    return GraphMemoryEstimate(tuple(order), tuple(peaks), tuple(outputs))
+    sizes = capture_alone(order)
+    return GraphMemoryEstimate(tuple(order), tuple(a for a, _ in sizes),
+                               tuple(k for _, k in sizes))
 
 
 def fit_capture_sizes(policy: BucketPolicy, estimate: GraphMemoryEstimate,

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,7 +19,7 @@ from graphattn.transfer import Uploader
 
 logger = logging.getLogger("graphattn")
 __all__ = ["CaptureReport", "CUDAGraphManager", "GraphNotCapturedError", "Forward",
-           "slice_outputs"]
+           "kept_bytes", "slice_outputs", "unowned_view"]
 
 Outputs = torch.Tensor | tuple[torch.Tensor | None, ...]
 Forward = Callable[[dict[str, torch.Tensor], GraphKey], Outputs]
@@ -137,6 +137,44 @@ def _new_graph(keep: bool) -> torch.cuda.CUDAGraph:
     return torch.cuda.CUDAGraph()
 
 
+class _DeviceMemory:
+    """A CUDA allocation seen through ``__cuda_array_interface__`` (bytes), owning nothing."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        # version 2: no stream, so taking the view synchronizes nothing
+        self.__cuda_array_interface__ = {"shape": (storage.nbytes(),), "typestr": "|u1",
+                                         "data": (storage.data_ptr(), False), "version": 2,
+                                         "strides": None}
+
+
+def unowned_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of CUDA tensor `t`'s memory that does not keep the allocation alive: once
+    every owning reference is gone, the allocator may hand the memory out again (in a graph
+    pool: to a later capture), and the view sees whatever is written there."""
+    raw = torch.as_tensor(_DeviceMemory(t), device=t.device)
+    return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _release(outputs: Outputs, scratch: tuple[int, ...]) -> Outputs:
+    """`outputs` with the tensors at `scratch` replaced by `unowned_view`s."""
+    if not scratch or isinstance(outputs, torch.Tensor):
+        return outputs
+    return tuple(unowned_view(o) if i in scratch and o is not None else o
+                 for i, o in enumerate(outputs))
+
+
+def kept_bytes(outputs: object, scratch: tuple[int, ...] = ()) -> int:
+    """Bytes of the distinct allocations behind `outputs` (a tensor or a tuple), leaving
+    out the tuple positions in `scratch`."""
+    tensors = (outputs if isinstance(outputs, tuple) else (outputs,))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for i, t in enumerate(tensors)
+                if isinstance(t, torch.Tensor) and not (isinstance(outputs, tuple)
+                                                        and i in scratch)}
+    return sum(storages.values())
+
+
 def _copyable(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Same device, or a host tensor copied without blocking (pinned, for CUDA)."""
     if src.device == dst.device:
@@ -181,6 +219,11 @@ class CUDAGraphManager:
         that the graph's work may have been enqueued).
     memory_limit : int, optional
         Pool bytes (`pool_bytes`) at which capture stops taking new keys.
+    scratch_outputs : tuple of int
+        Positions of tuple outputs that every replay writes whole and that no one reads past
+        the next replay of any key (the runner's logits). After a key's capture the manager
+        keeps only a non-owning view of them, so the keys captured after it may reuse their
+        memory: the pool holds one key's worth of them, not one per key.
     """
 
     def __init__(
@@ -193,6 +236,7 @@ class CUDAGraphManager:
         recording: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         on_launch: Callable[[], None] | None = None,
         memory_limit: int | None = None,
+        scratch_outputs: tuple[int, ...] = (),
     ) -> None:
         if on_missing not in ("error", "eager"):
             raise ValueError(f"on_missing = {on_missing!r}, expected 'error' or 'eager'")
@@ -206,6 +250,7 @@ class CUDAGraphManager:
         self.recording = recording or contextlib.nullcontext
         self.on_launch = on_launch
         self.memory_limit = memory_limit
+        self.scratch_outputs = scratch_outputs
         self.over_budget: set[GraphKey] = set()
         self._reserved0: int | None = None
         self.use_graphs = self.device.type == "cuda"
@@ -288,12 +333,52 @@ class CUDAGraphManager:
         CUDA; synchronizes the device)."""
         if not self.use_graphs or self._reserved0 is None:
             return 0
+        return self._segment_bytes(self.pool, self._reserved0)
+
+    def _segment_bytes(self, pool: Any, reserved0: int) -> int:
+        """Bytes of `pool`'s segments; where the allocator's snapshot has no pool ids, the
+        growth of reserved memory since `reserved0`."""
         torch.cuda.synchronize(self.device)
         segments = torch.cuda.memory_snapshot()
         if segments and "segment_pool_id" in segments[0]:
-            pool = tuple(self.pool)
-            return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
-        return max(torch.cuda.memory_reserved(self.device) - self._reserved0, 0)
+            return sum(s["total_size"] for s in segments
+                       if tuple(s["segment_pool_id"]) == tuple(pool))
+        return max(torch.cuda.memory_reserved(self.device) - reserved0, 0)
+
+    def capture_alone(self, keys: Sequence[GraphKey],
+                      make_inputs: Callable[[GraphKey], dict[str, torch.Tensor]],
+                      ) -> list[tuple[int, int]]:
+        """Capture each key into a pool of its own as `capture` would (warm-ups, recording),
+        measure it, and release it: the manager's graphs and pool stay as they were.
+
+        Returns
+        -------
+        list of (pool_bytes, kept_bytes)
+            Per key of `keys`: the bytes of its pool's segments (0 off CUDA, where the
+            forward runs once), and of the outputs its graph keeps (all but
+            `scratch_outputs`).
+        """
+        with _frozen_gc():
+            return [self._alone(key, {k: v.clone() for k, v in make_inputs(key).items()})
+                    for key in keys]
+
+    def _alone(self, key: GraphKey, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
+        if not self.use_graphs:
+            return 0, kept_bytes(self.forward(inputs, key), self.scratch_outputs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved0 = torch.cuda.memory_reserved(self.device)
+        shared, self.pool = self.pool, torch.cuda.graph_pool_handle()
+        try:
+            captured = self._capture_one(key, inputs)
+            sizes = (self._segment_bytes(self.pool, reserved0),
+                     kept_bytes(captured.outputs, self.scratch_outputs))
+        finally:
+            self.pool = shared
+        del captured
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return sizes
 
     def _capture_one(self, key: GraphKey, inputs: dict[str, torch.Tensor]) -> _Captured:
         if not self.use_graphs:  # the last warm-up run stands for the recorded one
@@ -313,7 +398,7 @@ class CUDAGraphManager:
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.keep_graphs and hasattr(graph, "instantiate"):
             graph.instantiate()
-        return _Captured(inputs, outputs, graph)
+        return _Captured(inputs, _release(outputs, self.scratch_outputs), graph)
 
     def _copy_in(self, key: GraphKey, static: dict[str, torch.Tensor],
                  live: Mapping[str, torch.Tensor]) -> None:
@@ -359,7 +444,7 @@ class CUDAGraphManager:
         get the pad sentinel). A live input is on the buffers' device or, for
         a CUDA graph, in pinned host memory (copied without blocking). On CUDA
         the returned tensors are views of the graph's static outputs: the next
-        replay overwrites them.
+        replay overwrites them (the `scratch_outputs`: the next replay of any key).
 
         Raises
         ------

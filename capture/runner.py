@@ -68,6 +68,10 @@ from graphattn.transfer import (
 logger = logging.getLogger("graphattn")
 __all__ = ["GraphRunner", "StepOutput"]
 
+# the step's logits (`StepTensors` position 0): valid until the next step, so every key's
+# graph writes them into memory the keys captured after it may reuse
+SCRATCH_OUTPUTS = (0,)
+
 
 def _inference_mode() -> contextlib.AbstractContextManager[Any]:
     """Inference mode entered and left in C (no interrupt splits it), where torch has that."""
@@ -142,7 +146,8 @@ class GraphRunner:
         self.graphs = CUDAGraphManager(
             self._graph_forward, state.device, on_missing=config.on_missing,
             warmup_iters=warmup, recording=self._steady_state if compiled else None,
-            on_launch=self._launching, memory_limit=config.graph_memory_limit)
+            on_launch=self._launching, memory_limit=config.graph_memory_limit,
+            scratch_outputs=SCRATCH_OUTPUTS)
         self.lazy_report = CaptureReport(device=state.device.type)
         self.piecewise = PiecewiseCompiler(forward, state.device, self.graphs.pool) if (
             self.dispatcher.piecewise_token_sizes) else None
@@ -312,13 +317,15 @@ class GraphRunner:
     def estimate_graph_memory(self, keys: Sequence[GraphKey] | None = None,
                               ) -> GraphMemoryEstimate:
         """Graph-pool bytes that capturing `keys` (default: the config's full keys) will
-        take, before any capture, from one eager step per key at its padded shapes
-        (`graphattn.capture.graph_memory`); ``.total_bytes`` is the estimate. Off CUDA:
-        output bytes only (no allocator statistics, and no graph pool)."""
+        take, from a dry-run capture of each key alone at its padded shapes, released
+        before the next (`graphattn.capture.graph_memory`); ``.total_bytes`` is the
+        estimate. It takes about as long as `capture` (compiles included, which `capture`
+        then reuses) and needs the largest key's pool free. Off CUDA: kept output bytes
+        only (no graph pool)."""
         full = [k for k in (self.dispatcher.all_keys() if keys is None else keys)
                 if not self.dispatcher.is_piecewise(k)]
-        return measure_keys(full, lambda k: self._graph_forward(self._capture_inputs(k), k),
-                            self.state.device)
+        return measure_keys(full, lambda ks: self.graphs.capture_alone(
+            ks, self._capture_inputs))
 
     def fit_capture_sizes(self, budget_bytes: int) -> BucketPolicy:
         """Drop the largest capture and mixed token sizes until the estimated pool fits

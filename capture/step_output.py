@@ -24,7 +24,8 @@ class StepOutput:
     ----------
     logits : torch.Tensor
         [num_reqs, vocab] at each request's last scheduled token (on CUDA a
-        view of graph memory, valid until the next step).
+        view of graph memory, valid until the next step: every key's graph
+        writes its logits into memory the others reuse).
     sampled : torch.Tensor
         int64 [num_reqs] sampled tokens (greedy unless the request's
         SamplingParams say otherwise), already written to the token buffer.

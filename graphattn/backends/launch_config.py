@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KERNELS", "PREFILL_CONFIG", "TILE_ELEMENTS", "TritonConfig", "decode_config",
-           "device_index", "fuse_rope_decode", "has_pdl", "has_triton", "has_varlen_paged",
-           "head_tile", "num_sms", "pow2", "resolve_kernel", "rope_fusable", "split_plan",
-           "tiles"]
+__all__ = ["KERNELS", "PREFILL_CONFIG", "PREFIX_PASS_CONFIG", "TILE_ELEMENTS", "TritonConfig",
+           "decode_config", "device_index", "fuse_rope_decode", "has_pdl", "has_triton",
+           "has_varlen_paged", "head_tile", "num_sms", "pow2", "resolve_kernel", "rope_fusable",
+           "split_plan", "tiles"]
 
 KERNELS = ("auto", "triton", "varlen", "torch")
 
@@ -64,6 +64,10 @@ class TritonConfig:
 
 
 PREFILL_CONFIG = TritonConfig()
+# the prefix pass of shared-prefix attention (`launch_shared_prefix`): `waves` is its split
+# target, about two programs per multiprocessor; the best of 36 configs for 128 rows after a
+# 2,048-token prefix (`python -m bench.tune_attention --cascade 2048`, bench/RESULTS.md)
+PREFIX_PASS_CONFIG = TritonConfig(block_n=128, num_warps=4, num_stages=2, waves=2)
 # query rows (token x head) times padded head_dim that one program's tile holds: 32 KB of
 # bf16 queries, so the K / V tiles and their pipeline stages fit the shared memory too
 TILE_ELEMENTS = 16384

@@ -330,7 +330,7 @@ def shared_prefix_kernel(
     stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, ROWS_PAD: tl.constexpr, LOG_ROWS: tl.constexpr,
+    PAGE: tl.constexpr, ROWS_PAD: tl.constexpr, LOG_ROWS: tl.constexpr, Q_LEN: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     """The prefix pass of shared-prefix attention: a program owns BLOCK_M (token, head)
@@ -340,7 +340,8 @@ def shared_prefix_kernel(
     [max(p + 1 - window, 0), min(p + 1, prefix_len)); other tokens none. Writes the part's
     normalized output and log2-sum-exp to part_out [t, head, num_parts, DV_PAD] / part_lse
     [t, head, num_parts] at part `split` (the parts past `num_splits`: the suffix pass's,
-    merged by `merge_splits_kernel`)."""
+    merged by `merge_splits_kernel`). Q_LEN > 0: every row has Q_LEN tokens, so a token's
+    row is its index // Q_LEN (no search)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -351,7 +352,10 @@ def shared_prefix_kernel(
     tok = idx // G
     head = kvh * G + idx % G
     in_range = tok < num_tokens
-    row = _token_rows(query_start_loc, num_rows, tok, LOG_ROWS)
+    if Q_LEN > 0:
+        row = tl.minimum(tok // Q_LEN, num_rows - 1)
+    else:
+        row = _token_rows(query_start_loc, num_rows, tok, LOG_ROWS)
     end = tl.load(query_start_loc + row + 1)
     pos1 = tl.load(seq_lens + row) - (end - tok) + 1  # the token's position + 1
     m_ok = (in_range & (tok < tl.load(query_start_loc + num_rows))

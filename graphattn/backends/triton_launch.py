@@ -7,6 +7,7 @@ import torch
 
 from graphattn.backends.launch_config import (
     PREFILL_CONFIG,
+    PREFIX_PASS_CONFIG,
     TILE_ELEMENTS,
     TritonConfig,
     decode_config,
@@ -71,7 +72,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_start: torch.Tensor | None = None,
                      parts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                      scales: tuple[float, float] = (1.0, 1.0),
-                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     launch: tuple[TritonConfig, int, int, dict] | None = None
                      ) -> torch.Tensor | None:
     """Paged attention through the unified kernel (+ the split merge); see
     `torch.ops.graphattn.paged_attention` for the arguments.
@@ -86,8 +88,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `prefix`: (part [T, H, S, DV_PAD], part_lse [T, H, S]) of a prefix pass, which each
     program's softmax starts from (an unsplit launch only; `triton_cascade`);
     `scales`: an fp8 cache's (k_scale, v_scale): K's folds into `scale`, V's multiplies the
-    output, and the rotary append stores its new K / V divided by them. Returns [T, H, Dv]
-    in q's dtype, 0 for padded tokens.
+    output, and the rotary append stores its new K / V divided by them; `launch`: the
+    caller's `_attention_launch` of this call. Returns [T, H, Dv] in q's dtype (0: padded).
     """
     (t, h, d), dv, rows = q.shape, v_cache.shape[-1], block_table.shape[0]
     if rope is not None and not (uniform_query_len == 1 and rope_fusable(d, k_cache, v_cache)):
@@ -96,11 +98,10 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"head_dim {d}, V head_dim {dv}")
     if t == 0 or rows == 0:
         return None if parts is not None else q.new_zeros(t, h, dv)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    cfg, num_tiles, num_splits, consts = _attention_launch(q, k_cache, v_cache, rows,
-                                                           uniform_query_len, max_len, config)
-    consts.update(USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    cfg, num_tiles, num_splits, consts = launch or _attention_launch(
+        q, k_cache, v_cache, rows, uniform_query_len, max_len, config)
+    consts = dict(consts, USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
                   USE_SINKS=sinks is not None and parts is None,
                   USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
                   SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None,
@@ -177,34 +178,35 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    block_table: torch.Tensor, scale: float, uniform_query_len: int,
                    max_len: int, shared_rows: torch.Tensor, shared_prefix: int, window: int,
-                   softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+                   softcap: float, sinks: torch.Tensor | None,
+                   prefix_config: TritonConfig | None = None) -> torch.Tensor:
     """Shared-prefix attention: the prefix pass (`shared_prefix_kernel`, its token bounds and
     the group's block table found in the kernel), then the suffix pass (the unified kernel
     from each group row's `shared_prefix`, from 0 for the others). An unsplit suffix pass
     starts each softmax from the prefix's partials and writes the output (two launches);
     a split one writes its partials beside the prefix's, merged by one
     `merge_splits_kernel` (three; the sinks counted once either way). Arguments as
-    `torch.ops.graphattn.cascade_attention`'s; returns [T, H, Dv] in q's dtype, 0 for
-    padded tokens."""
+    `torch.ops.graphattn.cascade_attention`'s (`prefix_config`: the prefix pass's launch,
+    `launch_shared_prefix`); returns [T, H, Dv] in q's dtype, 0 for padded tokens."""
     t, h, _ = q.shape
     rows, dv = block_table.shape[0], v_cache.shape[-1]
     if t == 0 or rows == 0:
         return q.new_zeros(t, h, dv)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    suffix_splits = _attention_launch(q, k_cache, v_cache, rows, uniform_query_len, max_len,
-                                      None)[2]
-    fold = suffix_splits == 1
+    suffix = _attention_launch(q, k_cache, v_cache, rows, uniform_query_len, max_len, None)
+    fold = suffix[2] == 1
     part, part_lse, splits = launch_shared_prefix(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, shared_rows,
-        shared_prefix, scale, softcap, window, 0 if fold else suffix_splits)
+        shared_prefix, scale, softcap, window, 0 if fold else suffix[2], uniform_query_len,
+        prefix_config)
     if fold:
         return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                 scale, uniform_query_len, max_len, window, softcap, sinks,
-                                kv_start=shared_rows, prefix=(part, part_lse))
+                                kv_start=shared_rows, prefix=(part, part_lse), launch=suffix)
     triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
                      uniform_query_len, max_len, window, softcap, None, kv_start=shared_rows,
-                     parts=(part, part_lse, splits))
+                     parts=(part, part_lse, splits), launch=suffix)
     out = q.new_empty(t, h, dv)
     _merge_splits(out, part, part_lse, out if sinks is None else sinks, query_start_loc, rows,
                   part_lse.shape[-1], part.shape[-1], sinks is not None, False)
@@ -214,12 +216,18 @@ def triton_cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, query_start_loc: torch.Tensor,
                          seq_lens: torch.Tensor, shared_rows: torch.Tensor, prefix_len: int,
-                         scale: float, softcap: float, window: int,
-                         extra_parts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+                         scale: float, softcap: float, window: int, extra_parts: int,
+                         uniform_query_len: int = 0, config: TritonConfig | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The prefix pass of shared-prefix attention (`shared_prefix_kernel`): the prefix's
     keys read once per KV head for every (token, head) of a BLOCK_M tile, the prefix cut
     into S parts so the grid fills the device about twice (CPU numbers: tokens, KV heads,
-    `prefix_len`), and `extra_parts` more parts left for the suffix pass.
+    `prefix_len`), and `extra_parts` more parts left for the suffix pass;
+    `uniform_query_len` > 0: every row has that many tokens (a token's row is then its
+    index over it; 0: each token's row is searched in `query_start_loc`). `config`
+    (default `PREFIX_PASS_CONFIG`): keys per tile (at most 32 past 128 dims), warps,
+    stages, and `waves`, the programs wanted per multiprocessor (a split holds at least
+    four tiles).
 
     Returns
     -------
@@ -234,9 +242,11 @@ def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     g, dv_pad = h // hkv, max(16, pow2(dv))
     block_m = max(16, min(64, pow2(t * g)))
     tiles_m = -(-t * g // block_m)
-    block_n = 64 if max(d, dv) <= 128 else 32
+    cfg = config or PREFIX_PASS_CONFIG
+    block_n = cfg.block_n if max(d, dv) <= 128 else min(cfg.block_n, 32)
     sms = num_sms(q.device) if q.device.type == "cuda" else 8
-    splits = max(1, min(-(-prefix_len // (4 * block_n)), -(-2 * sms // (tiles_m * hkv))))
+    splits = max(1, min(-(-prefix_len // (4 * block_n)),
+                        -(-cfg.waves * sms // (tiles_m * hkv))))
     n = splits + extra_parts
     part = torch.empty(t, h, n, dv_pad, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(t, h, n, dtype=torch.float32, device=q.device)
@@ -247,8 +257,9 @@ def launch_shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), G=g, HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=max(16, pow2(d)),
         DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k_cache.shape[1],
-        ROWS_PAD=max(2, pow2(rows)), LOG_ROWS=rows.bit_length() + 1,
-        USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, num_warps=4)
+        ROWS_PAD=max(2, pow2(rows)), LOG_ROWS=rows.bit_length() + 1, Q_LEN=uniform_query_len,
+        USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return part, part_lse, splits
 
 

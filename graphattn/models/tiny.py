@@ -210,9 +210,13 @@ class TinyDecoder(nn.Module):
             x = layer(x, pos, self.inv_freq, rot, attn_metadata, self.impl, cache)
         if self.keep_hidden_states:
             self.last_hidden_states = x
+        # the norm before the row selection: a gather consuming the last residual add
+        # would make inductor fold every residual add of the stack into cuBLAS's addmm
+        # epilogue (one device copy each)
+        x = self.norm(x)
         if "logits_indices" in inputs:  # the LM head only where logits are used
             x = x[inputs["logits_indices"]]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(x)
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:

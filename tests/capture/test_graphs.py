@@ -143,3 +143,42 @@ def test_interrupted_capture_resumes_and_reports():
     assert report.num_skipped == 1 and report.num_graphs == len(ks) - 1
     assert set(m.keys) == set(ks)
     assert str(report).startswith(f"ran {len(ks) - 1} keys eagerly: no CUDA graphs on cpu")
+
+
+WIDE = 1 << 20  # 4 MiB a row: every wide output over 2 MiB, most in segments of their own
+
+
+def big_forward(inputs, key):
+    """A large first output (e.g. logits) and a small one, both from the live rows."""
+    x = inputs["x"]
+    wide = (x.sum(-1, keepdim=True) + key.max_len_bucket).expand(-1, WIDE) * 1.0
+    return wide, x.sum(-1) * 3
+
+
+@pytest.mark.cuda
+def test_scratch_outputs_share_the_pool_across_keys():
+    ks = [GraphKey(8, 8, 16, True), GraphKey(6, 6, 16, True), GraphKey(4, 4, 16, True),
+          GraphKey(2, 2, 16, True)]
+    pools = {}
+    for scratch in ((), (0,)):
+        m = CUDAGraphManager(big_forward, "cuda", pad_values={"slot": -1, "qsl": "edge"},
+                             scratch_outputs=scratch)
+        alone = m.capture_alone(ks, make_inputs("cuda"))
+        assert not m.keys and m.pool_bytes() == 0  # dry runs leave nothing captured
+        for k, (pool, kept) in zip(ks, alone, strict=True):
+            wide = k.num_reqs_padded * WIDE * 4
+            assert pool >= wide and kept == k.num_reqs_padded * 4 + (wide if not scratch else 0)
+        pools[scratch] = m.capture(ks, make_inputs("cuda")).pool_bytes
+        for k in (ks[2], ks[0], ks[3], ks[0]):  # alternate keys: each replay's own values
+            n = k.num_reqs_padded
+            x = torch.randn(n, 3, device="cuda")
+            live = {"x": x, "slot": torch.arange(n, device="cuda"),
+                    "qsl": torch.arange(n + 1, dtype=torch.int32, device="cuda")}
+            with no_host_sync():
+                wide, small = m.replay(k, live, n)
+            torch.testing.assert_close(wide[:, -1], x.sum(-1) + 16)
+            torch.testing.assert_close(wide[:, 0], x.sum(-1) + 16)
+            torch.testing.assert_close(small, x.sum(-1) * 3)
+        del m
+    # four keys' wide outputs (8 + 6 + 4 + 2 rows of 4 MiB) against the largest one's
+    assert pools[(0,)] <= pools[()] - 40 * 2**20, pools
