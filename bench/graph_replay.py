@@ -12,6 +12,9 @@ programmatic dependent launch),
 `graphattn_gemv` (`graphattn_compiled_pdl` with the projections of up to 16 rows through
 the Triton GEMV, `graphattn.backends.linear.swap_linears`),
 `graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
+`hf_graphs` / `hf_compiled_pdl` (a transformers `LlamaForCausalLM` of the same shape, tied
+embeddings, through `HFCausalLM`: its own forward in our graphs, eager or compiled with
+programmatic dependent launch; the same weight bytes in the floor),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
 `replay_floor` / `replay_floor_compiled` (the graphs of `graphattn_graphs` /
@@ -39,7 +42,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.setup import MODELS, add_shape_options, fill_requests, make_setup, set_lengths
+from bench.setup import (
+    MODELS,
+    add_shape_options,
+    fill_requests,
+    hf_llama,
+    make_setup,
+    set_lengths,
+)
 from graphattn import CompileConfig, GraphRunner, RunnerConfig
 from graphattn.backends.linear import swap_linears
 from graphattn.buckets import BucketPolicy
@@ -48,7 +58,7 @@ from graphattn.state import SchedulerOutput
 
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
-                "graphattn_gemv", "graphattn_fp8kv")
+                "graphattn_gemv", "graphattn_fp8kv", "hf_graphs", "hf_compiled_pdl")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -258,7 +268,7 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 
 GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
-          ("graphattn_gemv",), ("graphattn_fp8kv",),
+          ("graphattn_gemv",), ("graphattn_fp8kv",), ("hf_graphs",), ("hf_compiled_pdl",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -277,6 +287,26 @@ def replay_policy(sizes: tuple[int, ...], lengths: tuple[int, ...],
     bounds = tuple(sorted({1 << (x + 16 + 2 * (WARMUP + steps)).bit_length() for x in lengths}))
     return BucketPolicy(capture_sizes=tuple(sorted(sizes)),
                         length_boundaries=tuple(b for b in bounds if b < max_len)), max_len
+
+
+def _mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
+    """The runner of a runner mode, on the setup's state (each mode group has its own process
+    and model)."""
+    if mode == "graphattn_graphs":
+        return setup.runner
+    k0 = setup.model.caches[0][0]
+    forward = setup.model
+    if mode == "graphattn_fp8kv":  # the compiled mode over an fp8 KV cache
+        setup.model.allocate_caches(k0.shape[0] - 1, k0.shape[1], "fp8_e4m3")
+    if mode == "graphattn_gemv":
+        swap_linears(setup.model)
+    if mode.startswith("hf_"):
+        forward = hf_llama(k0.device, k0.dtype, setup.model.cfg)
+        setup.model.caches = []
+        forward.allocate_caches(k0.shape[0] - 1, k0.shape[1])
+    compile_cfg = CompileConfig(enabled=mode != "hf_graphs", pdl=mode in (
+        "graphattn_compiled_pdl", "graphattn_gemv", "hf_compiled_pdl"))
+    return GraphRunner(forward, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))
 
 
 def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps: int,
@@ -302,15 +332,7 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
         if mode not in modes:
             continue
         try:
-            if mode == "graphattn_fp8kv":  # the compiled mode over an fp8 KV cache
-                k0 = setup.model.caches[0][0]
-                setup.model.allocate_caches(k0.shape[0] - 1, k0.shape[1], "fp8_e4m3")
-            if mode == "graphattn_gemv":  # each mode group has its own process and model
-                swap_linears(setup.model)
-            compile_cfg = CompileConfig(enabled=True, pdl=mode in ("graphattn_compiled_pdl",
-                                                                   "graphattn_gemv"))
-            runner = setup.runner if mode == "graphattn_graphs" else GraphRunner(
-                setup.model, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))
+            runner = _mode_runner(mode, setup, policy)
             runner.graphs.keep_graphs = True  # node counts
             report = runner.capture(progress=False)
             out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,

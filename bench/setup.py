@@ -22,6 +22,25 @@ LLAMA_1B = TinyConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_he
 MODELS = {"tiny": BENCH_MODEL, "1b": LLAMA_1B}
 
 
+def hf_llama(device: str | torch.device, dtype: torch.dtype, cfg: TinyConfig = LLAMA_1B,
+             seed: int = 0) -> torch.nn.Module:
+    """A transformers `LlamaForCausalLM` of `cfg`'s shape (tied embeddings, random weights),
+    wrapped in `HFCausalLM`."""
+    import transformers
+
+    from graphattn.models.hf import HFCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta, max_position_embeddings=4096, tie_word_embeddings=True)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_cfg).to(dtype).eval()
+    return HFCausalLM(model)
+
+
 @dataclass(slots=True)
 class Setup:
     model: TinyDecoder
@@ -78,8 +97,9 @@ def result_meta(module: str, args: argparse.Namespace) -> dict[str, str]:
     """What a result file says of its run: date, torch version, device and the command that
     repeats it (every option given but --out)."""
     cuda = getattr(args, "device", "cpu") == "cuda"
-    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                    if k != "out" and v is not None)
+    opts = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                    for k, v in vars(args).items()
+                    if k != "out" and v is not None and v is not False)
     return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": f"python -m {module} {opts}"}

@@ -7,7 +7,11 @@ Eager-model graphs of the tiny and 1B shapes (`bench.setup.MODELS`), and of a tr
 Llama of the 1B shape through `HFCausalLM` ("hf-1b"); keys: uniform decodes of every default
 capture size up to `--max-reqs` and mixed keys of `--mixed` tokens, one length bucket.
 
-    python -m bench.startup [--models tiny,1b,hf-1b] [--max-reqs 64] [--out DIR]
+With `--lazy`, a runner with `RunnerConfig(lazy_capture=True)` instead: per decode size,
+the first step that needs the new key (eager at its padded shapes, then its capture) against
+one eager step of the same batch plus that capture, and the replayed step after it.
+
+    python -m bench.startup [--models tiny,1b,hf-1b] [--max-reqs 64] [--lazy] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.setup import LLAMA_1B, MODELS, result_meta
+from bench.setup import MODELS, hf_llama, result_meta
 from graphattn import BucketPolicy, GraphRunner, RequestState, RunnerConfig, SchedulerOutput
 from graphattn.buckets import default_capture_sizes
 from graphattn.models.tiny import TinyDecoder
@@ -34,19 +38,7 @@ def build(model_name: str, device: str, dtype: torch.dtype) -> tuple[object, str
     if model_name != "hf-1b":
         with torch.device(device):
             return TinyDecoder(MODELS[model_name]).to(dtype), "TinyDecoder"
-    import transformers
-
-    from graphattn.models.hf import HFCausalLM
-
-    c = LLAMA_1B
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta,
-        max_position_embeddings=4096, tie_word_embeddings=True)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
-    return HFCausalLM(model), "HFCausalLM(LlamaForCausalLM)"
+    return hf_llama(device, dtype), "HFCausalLM(LlamaForCausalLM)"
 
 
 def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tuple[int, ...],
@@ -77,6 +69,68 @@ def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tu
             "estimate_s": estimate_s, "eager_first_step_s": eager_s, "per_key": rows}
 
 
+def _timed(runner: GraphRunner, sched: SchedulerOutput, force_eager: bool = False) -> float:
+    """Seconds of one step, from its call to its sampled tokens on the host."""
+    t0 = time.perf_counter()
+    runner.step(sched, force_eager=force_eager).sampled_host.wait()
+    return time.perf_counter() - t0
+
+
+def measure_lazy(forward: object, device: str, max_reqs: int, max_len: int,
+                 sizes: tuple[int, ...]) -> list[dict]:
+    """Per decode size: the first step of its key with lazy capture on (the key's eager step
+    and capture), one eager step of the same batch, the capture's own seconds, and the
+    replayed step after. Twice, on two runners: the first pass pays the process's one-time
+    costs (Triton compiling each kernel specialization, cuBLAS heuristics), which any start
+    pays once, eager or captured; the rows are the second pass's."""
+    for _ in range(2):
+        rows = _lazy_pass(forward, device, max_reqs, max_len, sizes)
+    return rows
+
+
+def _lazy_pass(forward: object, device: str, max_reqs: int, max_len: int,
+               sizes: tuple[int, ...]) -> list[dict]:
+    st = RequestState(max_reqs, max_len, BLOCK, device)
+    policy = BucketPolicy(capture_sizes=default_capture_sizes(max_reqs),
+                          length_boundaries=(max_len,), mixed_token_sizes=())
+    runner = GraphRunner(forward, st, RunnerConfig(policy=policy, lazy_capture=True))
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in sizes:
+        slots = np.array([runner.add_request(f"r{n}.{i}",
+                                             rng.integers(0, runner.vocab_size, 16))
+                          for i in range(n)])
+        _timed(runner, SchedulerOutput(slots, np.full(n, 16)), force_eager=True)
+        decode = SchedulerOutput(slots, np.ones(n, dtype=np.int32))
+        captured, before = len(runner.lazy_report.keys), runner.lazy_report.seconds
+        first = _timed(runner, decode)
+        key = runner.lazy_report.keys[captured]
+        capture_s = runner.lazy_report.seconds - before  # the whole capture call
+        replay, eager = _timed(runner, decode), _timed(runner, decode, force_eager=True)
+        rows.append({"key": str(key), "first_step_s": first, "eager_step_s": eager,
+                     "capture_s": capture_s, "replay_step_s": replay,
+                     "first_over_eager_plus_capture": first / (eager + capture_s)})
+        for i in range(n):
+            st.remove_request(f"r{n}.{i}")
+    return rows
+
+
+def _lazy_main(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    results = []
+    sizes = tuple(n for n in (1, 8, 32, 64, 128, 256) if n <= args.max_reqs)
+    for name in args.models.split(","):
+        forward, kind = build(name, args.device, dtype)
+        forward.allocate_caches(args.max_reqs * -(-args.max_len // BLOCK), BLOCK)
+        for r in measure_lazy(forward, args.device, args.max_reqs, args.max_len, sizes):
+            results.append({"model": name, "forward": kind, **r})
+            print(f"{name:6s} lazy {r['key']}: first step {r['first_step_s'] * 1e3:.1f} ms = "
+                  f"{r['first_over_eager_plus_capture']:.2f}x (eager step "
+                  f"{r['eager_step_s'] * 1e3:.1f} ms + capture {r['capture_s'] * 1e3:.1f} "
+                  f"ms); replayed {r['replay_step_s'] * 1e3:.2f} ms")
+        del forward
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,11 +142,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="torch device")
     ap.add_argument("--out", default=None, help="folder for startup.json")
+    ap.add_argument("--lazy", action="store_true",
+                    help="first steps of new keys with lazy capture (startup_lazy.json)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     mixed = tuple(int(t) for t in args.mixed.split(","))
-    results = []
-    for name in args.models.split(","):
+    results = _lazy_main(args, dtype) if args.lazy else []
+    for name in args.models.split(",") if not args.lazy else ():
         forward, kind = build(name, args.device, dtype)
         for logits in ("used", "all"):
             forward.allocate_caches(args.max_reqs * -(-args.max_len // BLOCK), BLOCK)
@@ -108,7 +164,7 @@ def main() -> None:
     if args.out:
         meta = result_meta("bench.startup", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "startup.json").write_text(
+        (Path(args.out) / ("startup_lazy.json" if args.lazy else "startup.json")).write_text(
             json.dumps({**meta, "results": results}, indent=1))
 
 

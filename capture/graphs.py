@@ -97,8 +97,9 @@ class _Captured:
 @contextlib.contextmanager
 def _frozen_gc() -> Iterator[None]:
     # a collection during capture (torch.cuda.graph's, or one Python starts) has nothing
-    # to walk with everything frozen
-    gc.collect()
+    # to walk with everything frozen; the young generations only, as a full collection
+    # costs a lazily captured key about a tenth of a second
+    gc.collect(1)
     gc.freeze()
     try:
         yield
@@ -300,13 +301,13 @@ class CUDAGraphManager:
         report = CaptureReport(num_skipped=len(order) - len(todo), device=self.device.type,
                                keys=todo)
         t0 = time.perf_counter()
-        if self.use_graphs:
-            # once before the first key (not per capture, see `capturing`), so the
-            # difference below is the pool and static buffers alone
+        if self.use_graphs and self._reserved0 is None:
+            # once before the first capture (not per key, see `capturing`; not before a lazy
+            # key, whose later steps would pay for the cudaMallocs), so the difference below
+            # is the pool and static buffers alone
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-            if self._reserved0 is None:
-                self._reserved0 = torch.cuda.memory_reserved(self.device)
+            self._reserved0 = torch.cuda.memory_reserved(self.device)
         verb = "capture" if self.use_graphs else f"eager on {self.device.type}"
         with _frozen_gc(), tqdm(todo, desc=f"graphattn {verb}", unit="key",
                                 disable=not progress or not todo, leave=False) as bar:
@@ -322,7 +323,9 @@ class CUDAGraphManager:
                 report.key_pool_bytes.append(self.pool_bytes())
                 report.num_graphs += 1
         report.keys = [k for k in todo if k in self._captured]
-        report.pool_bytes = self.pool_bytes()
+        # the pool only grows at a capture: after the last one it is that key's figure
+        report.pool_bytes = (report.key_pool_bytes[-1] if report.key_pool_bytes
+                             else self.pool_bytes())
         report.seconds = time.perf_counter() - t0
         if progress if summary is None else summary:
             logger.info("%s", report)

@@ -14,7 +14,8 @@
 #   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
 #                  PROFILE_SHAPES="B:L ...", PROFILE_MODEL=1b), inductor's output code beside
 #   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
-#   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all)
+#   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all;
+#                  STARTUP_ARGS=--lazy: first steps of new keys with lazy capture)
 #   spec-MODEL     python -m bench.speculative --model MODEL (plain, n-gram, draft models)
 #   prefix         python -m bench.prefix_cache, 1,024- and 4,096-token shared prompts
 #                  (PREFIX_SHAPES="P:N ..." prompt and requests; PREFIX_ARGS adds options)
@@ -87,7 +88,7 @@ for part in "$@"; do
       rc=$((rc | PIPESTATUS[0])) ;;
     startup)
       python3 -m bench.startup --models "${STARTUP_MODELS:-tiny,1b,hf-1b}" \
-        --max-reqs "${STARTUP_REQS:-64}" --out "$OUT" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' \
+        --max-reqs "${STARTUP_REQS:-64}" --out "$OUT" ${STARTUP_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' \
         | tee -a "$OUT/startup.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     spec-*)

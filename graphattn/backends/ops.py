@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from graphattn.backends.launch_config import resolve_kernel, rope_fusable
+from graphattn.backends.launch_config import fuse_rope_decode, resolve_kernel, rope_fusable
 from graphattn.backends.reference import (
     cascade_paged_attention,
     gather_paged_attention,
@@ -308,14 +308,17 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
                       block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                       num_heads: int, num_kv_heads: int, kv_bounds: torch.Tensor, window: int,
                       softcap: float, sinks: torch.Tensor | None, kernel: str,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      auto: bool = False) -> torch.Tensor:
     """`rope_write_kv` then `paged_attention` for a batch of one-token decode rows.
 
     On CUDA (Triton; a power-of-two head_dim >= 16 for K and V) one launch (plus the split
     merge) instead of two: every program rotates its queries, each row's last KV split
     rotates the new key, writes it and the value to their slot and seeds its softmax with
     them from registers; every split reads the cache below the new position only.
-    Otherwise the two ops run.
+    Otherwise the two ops run; with `auto`, also where fusing does not pay
+    (`graphattn.backends.launch_config.fuse_rope_decode` of `kv_bounds`' length, decided
+    here when the op runs, so a compiled caller is not specialized on the length bucket).
 
     Parameters
     ----------
@@ -330,6 +333,8 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     num_heads, num_kv_heads : int
     kv_bounds, window, softcap, sinks, kernel, k_scale, v_scale
         As in `paged_attention`.
+    auto : bool
+        Fuse only where it pays (default: wherever the kernel can).
 
     Returns
     -------
@@ -341,7 +346,8 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     if t < rows:
         raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
     max_len = _read_bounds(kv_bounds)[1]
-    if resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache):
+    if resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache) \
+            and (not auto or fuse_rope_decode(rows, num_kv_heads, d, max_len, qkv.device, kernel)):
         check_contiguous_caches("rope_paged_decode", k_cache, v_cache)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
@@ -360,5 +366,5 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
 @rope_paged_decode.register_fake
 def _(qkv, positions, inv_freq, k_cache, v_cache, query_start_loc, seq_lens, block_table,
       slot_mapping, scale, num_heads, num_kv_heads, kv_bounds, window, softcap, sinks, kernel,
-      k_scale=1.0, v_scale=1.0):
+      k_scale=1.0, v_scale=1.0, auto=False):
     return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])

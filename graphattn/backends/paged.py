@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
-from graphattn.backends.launch_config import KERNELS, fuse_rope_decode
+from graphattn.backends.launch_config import KERNELS
 from graphattn.backends.ops import kv_bounds
 from graphattn.backends.reference import block_count
 from graphattn.backends.registry import BackendMetadata, PadValue
@@ -191,7 +191,8 @@ class PagedAttentionImpl:
         Whether `forward_qkv` on a batch of one-token decode rows runs
         ``torch.ops.graphattn.rope_paged_decode`` (rotation, K/V write and attention in one
         launch) or `rope_write_kv` then attention, as for every other batch. None: where it
-        pays (`graphattn.backends.launch_config.fuse_rope_decode`).
+        pays (`graphattn.backends.launch_config.fuse_rope_decode`, decided by the op when
+        it runs).
     k_scale, v_scale : float
         Per-tensor scales of an fp8 KV cache (``float8_e4m3fn``: it stores K / k_scale and
         V / v_scale, clamped to +-448, and the kernels dequantize in registers); 1 for a
@@ -277,15 +278,14 @@ class PagedAttentionImpl:
         k_cache, v_cache = kv_cache
         rows = meta.block_table.shape[0]
         if meta.decode_query_len == 1 and meta.num_decodes == rows > 0 and (
-                not meta.shared_prefix) and (
-                self.fuse_rope if self.fuse_rope is not None else fuse_rope_decode(
-                    rows, self.num_kv_heads, self.head_dim, meta.max_len, qkv.device,
-                    self.kernel)):
+                not meta.shared_prefix) and self.fuse_rope is not False:
+            # with fuse_rope None the op decides from the bounds when it runs: no guard on
+            # the length bucket in a compiled forward
             return torch.ops.graphattn.rope_paged_decode(
                 qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc,
                 meta.seq_lens, meta.block_table, meta.slot_mapping, self.scale, self.num_heads,
                 self.num_kv_heads, meta.kv_bounds, self.window, self.softcap, self.sinks,
-                self.kernel, self.k_scale, self.v_scale)
+                self.kernel, self.k_scale, self.v_scale, self.fuse_rope is None)
         q = torch.ops.graphattn.rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache,
                                               meta.slot_mapping, self.num_heads,
                                               self.num_kv_heads, self.kernel, self.k_scale,
