@@ -39,11 +39,11 @@ from bench.graph_replay import (
     event_times,
     hbm_bandwidth,
     kv_bytes,
+    replay_policy,
     weight_bytes,
 )
 from bench.setup import MODELS, add_shape_options, fill_requests, make_setup, set_lengths
 from graphattn import GraphRunner, RunnerConfig
-from graphattn.buckets import BucketPolicy
 from graphattn.state import SchedulerOutput
 
 
@@ -67,7 +67,7 @@ class _Checked:
         return out
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", "--models", default="tiny",
                     help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
@@ -83,20 +83,52 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
-    for item in args.inductor:
+    return args
+
+
+def _set_inductor(items: list[str]) -> None:
+    """Each KEY=VALUE of --inductor into ``torch._inductor.config``."""
+    for item in items:
         key, value = item.split("=", 1)
         *path, name = key.split(".")
         setattr(functools.reduce(getattr, path, torch._inductor.config), name,
                 ast.literal_eval(value))
+
+
+def _measure(row: dict, runner: GraphRunner, compiled: _Checked, setup, sched: SchedulerOutput,
+             lens: np.ndarray, steps: int, floor: float) -> None:
+    """Compile pass, timed pass and one checked step of `sched` into `row`."""
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"].get("unique_graphs", 0)
+    set_lengths(setup.state, lens)
+    t0 = time.perf_counter()
+    for _ in range(WARMUP + steps):  # compiles and records every key it meets
+        runner.step(sched)
+    torch.cuda.synchronize()
+    row["compile_s"] = time.perf_counter() - t0
+    graphs1 = counters["stats"].get("unique_graphs", 0)
+    set_lengths(setup.state, lens)
+    row.update(_summary(event_times(lambda s=sched, r=runner: r.step(s), steps)))
+    row["floor_us"] = floor
+    row["x_floor"] = row["us_step"] / floor
+    row["dynamo_graphs"] = graphs1 - graphs0
+    row["timed_recompiles"] = counters["stats"].get("unique_graphs", 0) - graphs1
+    compiled.errors = []
+    runner.step(sched)
+    err, agree = compiled.errors[0]
+    row["max_rel_err_vs_eager"] = float(err)
+    row["argmax_agreement_vs_eager"] = float(agree)
+
+
+def main() -> None:
+    args = _args()
+    _set_inductor(args.inductor)
     sizes = tuple(int(s) for s in args.sizes.split(","))
     lengths = tuple(int(s) for s in args.lengths.split(","))
     cfg = MODELS[args.model]
-    steps = args.steps
     bw = hbm_bandwidth()
-    max_len = max(lengths) + 16 + 2 * (WARMUP + steps) + 64
-    bounds = tuple(sorted({1 << (x + 16 + 2 * (WARMUP + steps)).bit_length() for x in lengths}))
-    policy = BucketPolicy(capture_sizes=sizes,
-                          length_boundaries=tuple(b for b in bounds if b < max_len))
+    policy, max_len = replay_policy(sizes, lengths, args.steps)
     setup = make_setup("cuda", max(sizes), max_len, policy, cfg)
     fill_requests(setup, max(sizes), np.full(max(sizes), 16, np.int32),
                   np.random.default_rng(0))
@@ -105,8 +137,6 @@ def main() -> None:
             torch._dynamo.mark_static_address(t)
     wbytes = weight_bytes(setup.model)
     rng = np.random.default_rng(1)
-    from torch._dynamo.utils import counters
-
     for length in lengths:
         if not args.no_reset or length == lengths[0]:
             torch._dynamo.reset()
@@ -118,31 +148,13 @@ def main() -> None:
             row = {"model": args.model, "mode": "torch_compile_reduce_overhead", "batch": n,
                    "length": length, "static_caches": args.static_caches,
                    "inductor": args.inductor, "reset_per_length": not args.no_reset}
+            live = float(lens[:n].sum() + n * (WARMUP + args.steps / 2))
             try:
-                graphs0 = counters["stats"].get("unique_graphs", 0)
-                set_lengths(setup.state, lens)
-                t0 = time.perf_counter()
-                for _ in range(WARMUP + steps):  # compiles and records every key it meets
-                    runner.step(sched)
-                torch.cuda.synchronize()
-                row["compile_s"] = time.perf_counter() - t0
-                graphs1 = counters["stats"].get("unique_graphs", 0)
-                set_lengths(setup.state, lens)
-                row.update(_summary(event_times(lambda s=sched, r=runner: r.step(s), steps)))
-                live = float(lens[:n].sum() + n * (WARMUP + steps / 2))
-                row["floor_us"] = 1e6 * (wbytes + kv_bytes(cfg, live)) / bw
-                row["x_floor"] = row["us_step"] / row["floor_us"]
-                row["dynamo_graphs"] = graphs1 - graphs0
-                row["timed_recompiles"] = counters["stats"].get("unique_graphs", 0) - graphs1
-                compiled.errors = []
-                runner.step(sched)
-                err, agree = compiled.errors[0]
-                compiled.errors = None
-                row["max_rel_err_vs_eager"] = float(err)
-                row["argmax_agreement_vs_eager"] = float(agree)
+                _measure(row, runner, compiled, setup, sched, lens, args.steps,
+                         1e6 * (wbytes + kv_bytes(cfg, live)) / bw)
             except Exception as e:  # noqa: BLE001 - recorded in the table, not hidden
-                compiled.errors = None
                 row.update(_error(row["mode"], e))
+            compiled.errors = None
             print("ROW " + json.dumps(row), flush=True)
 
 

@@ -76,38 +76,41 @@ def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
             "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", type=int, default=90,
-                    help="CUDA compute capability to build for (90: H100 / H200)")
-    args = ap.parse_args()
-    target = GPUTarget("cuda", args.arch, 32)
-    shape = dict(G=4, G_TILE=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
+SHAPE = dict(G=4, G_TILE=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
+
+
+def _attention(target: GPUTarget) -> None:
+    """The unified kernel over every feature flag, then the decode tiles (rotary append,
+    64- to 256-key tiles, split, fp8)."""
     for uniform, split, cap, win, sinks, pdl in itertools.product(*[(False, True)] * 6):
         if split and not uniform:
             continue  # mixed batches never split
         tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128) if uniform else dict(
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
-        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
+        consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, USE_PDL=pdl,
                       ROPE_APPEND=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
-        print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in shape},
+        print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in SHAPE},
               got)
         assert got["pdl_wait"] == pdl
     for rope, block_n, split, fp8 in itertools.product((False, True), (64, 128, 256),
                                                        (False, True), (False, True)):
         if block_n == 256 and not fp8:
             continue  # 256-key tiles: fp8 only (a config a caller may pass)
-        consts = dict(**shape, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
+        consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
                       FP8=fp8, PREFIX_PARTS=0)
         print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True))
+
+
+def _latent_and_shared(target: GPUTarget) -> None:
+    """MLA's absorbed decode, and shared-prefix attention: the suffix pass and the prefix
+    pass."""
     for split in (False, True):  # MLA's absorbed decode (DeepSeek-V3: 128 heads over one
         # 576-wide latent KV head, values its first 512), 16 heads to a program
         consts = dict(G=128, G_TILE=16, HEAD_DIM=576, HEAD_DIM_V=512, D_PAD=1024,
@@ -125,20 +128,24 @@ def main() -> None:
         # and reads of an fp8 cache
         tile = dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64) if uniform else dict(
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
-        consts = dict(**shape, **tile, UNIFORM=uniform, SPLIT=not fold, USE_SOFTCAP=False,
+        consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=not fold, USE_SOFTCAP=False,
                       USE_WINDOW=False, USE_SINKS=False, USE_PDL=uniform,
                       ROPE_APPEND=False, USE_KV_START=True, FP8=fp8,
                       PREFIX_PARTS=5 if fold else 0)
         print("suffix", {"UNIFORM": uniform, "fp8": fp8, "PREFIX_PARTS": consts["PREFIX_PARTS"]},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2))
-    for win, fp8 in itertools.product((False, True), repeat=2):
+    for win, fp8, q_len in itertools.product((False, True), (False, True), (0, 1)):
         consts = dict(G=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, BLOCK_M=64,
-                      BLOCK_N=64, PAGE=16, ROWS_PAD=128, LOG_ROWS=8, USE_SOFTCAP=False,
-                      USE_WINDOW=win)
-        print("shared_prefix", {"USE_WINDOW": win, "fp8": fp8},
+                      BLOCK_N=128, PAGE=16, ROWS_PAD=128, LOG_ROWS=8, Q_LEN=q_len,
+                      USE_SOFTCAP=False, USE_WINDOW=win)
+        print("shared_prefix", {"USE_WINDOW": win, "fp8": fp8, "Q_LEN": q_len},
               build(shared_prefix_kernel, consts, target, FP8_CACHES if fp8 else None,
-                    num_warps=4))
+                    num_warps=4, num_stages=2))
+
+
+def _small_kernels(target: GPUTarget) -> None:
+    """The split merge, the KV writes, the small-M GEMV and DeepSeek-V3.2's indexer."""
     for sinks, pdl in itertools.product((False, True), repeat=2):
         consts = dict(HEAD_DIM_V=64, DV_PAD=64, NUM_SPLITS=3, S_PAD=4, USE_SINKS=sinks,
                       USE_PDL=pdl)
@@ -164,6 +171,18 @@ def main() -> None:
             HI=64, HI_PAD=64, DI=128, DI_PAD=128, BLOCK_L=32 if ieee else 64, PAGE=64,
             IEEE=ieee), target,
             f32, num_warps=4))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90,
+                    help="CUDA compute capability to build for (90: H100 / H200)")
+    args = ap.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    _attention(target)
+    _latent_and_shared(target)
+    _small_kernels(target)
 
 
 if __name__ == "__main__":

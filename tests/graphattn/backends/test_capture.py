@@ -106,28 +106,28 @@ CASES = [(b, spec) for b in ("paged", "flex",
          for spec in (0, 2)] + [("cross", 0), ("flex_uncompiled", 0)]
 
 
-@pytest.mark.parametrize("name, spec", CASES, ids=lambda c: getattr(c, "value", str(c)))
-def test_capture_replay_matches_eager(name, spec, device):
-    num_slots = 6
-    case = Case(name, device, num_slots, spec)
-    name = case.name
-    st = RequestState(num_slots, MAXLEN, BS, device)
-    rng = np.random.default_rng(5)
-    gen = torch.Generator().manual_seed(5)
+def _prefilled(case: Case, num_slots: int, rng: np.random.Generator,
+               gen: torch.Generator) -> RequestState:
+    """A state whose requests' prompts the case's eager step has written."""
+    st = RequestState(num_slots, MAXLEN, BS, case.device)
     prompts = rng.integers(3, 30, num_slots)
     for i, p in enumerate(prompts):
         st.add_request(f"r{i}", int(p), np.arange(i * (MAXLEN // BS), (i + 1) * (MAXLEN // BS)))
     pre = SchedulerOutput(np.arange(num_slots), prompts)
     batch = prepare_inputs(st, pre)
-    if name == "cross":
+    if case.name == "cross":
         tot = int(case.enc_len.sum())
-        case.encoder = tuple(torch.randn(tot, HKV, D, generator=gen).to(device) for _ in range(2))
+        case.encoder = tuple(torch.randn(tot, HKV, D, generator=gen).to(case.device)
+                             for _ in range(2))
     case.run(case.rand_inputs(batch.num_tokens_padded, gen), case.caches,
              case.build(batch, build_common_metadata(batch)))
     st.postprocess(pre)
+    return st
 
-    lb = LengthBuckets(MAXLEN, (32, 64))
-    disp = GraphDispatcher([2, 4, 8], lb, spec + 1, capture_support=case.support)
+
+def _graph_manager(case: Case, st: RequestState, gen: torch.Generator):
+    """A manager whose forward runs the case with the metadata of each key's dummy plan, and
+    the inputs of a key's capture."""
     templates = {}
 
     def make_inputs(key):
@@ -142,7 +142,19 @@ def test_capture_replay_matches_eager(name, spec, device):
         return case.run(inputs, case.caches, meta)
 
     pads = get_backend(case.name).metadata_cls.pad_values
-    mgr = CUDAGraphManager(forward, device, pad_values=pads)
+    return CUDAGraphManager(forward, case.device, pad_values=pads), make_inputs
+
+
+@pytest.mark.parametrize("name, spec", CASES, ids=lambda c: getattr(c, "value", str(c)))
+def test_capture_replay_matches_eager(name, spec, device):
+    num_slots = 6
+    case = Case(name, device, num_slots, spec)
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    st = _prefilled(case, num_slots, rng, gen)
+    disp = GraphDispatcher([2, 4, 8], LengthBuckets(MAXLEN, (32, 64)), spec + 1,
+                           capture_support=case.support)
+    mgr, make_inputs = _graph_manager(case, st, gen)
     if device == "cuda" and isinstance(case.impl, FlexAttentionImpl) and case.impl.compile is False:
         with pytest.raises(ValueError, match="uncompiled flex_attention cannot be captured"):
             mgr.capture(disp.all_keys()[:1], make_inputs)

@@ -31,18 +31,14 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
     assert "checked" in proc.stdout
 
 
-def main() -> None:
+def _patch_interpreter() -> None:
+    """Make Triton 3.6's interpreter run our kernels on CPU tensors as the GPU would."""
+    import numpy as np
     import torch
-
-    from graphattn.backends import launch_config, triton_launch
-    from tests.graphattn.backends import test_cascade as tc
-    from tests.graphattn.backends import test_linear as tlin
-    from tests.graphattn.backends import test_ops as t
-    from tests.graphattn.backends import test_sparse_indexer as ts
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1")
+    import triton.language as tl
     import triton.runtime.interpreter as interpreter
+
+    from graphattn.backends import launch_config, ops, triton_kernels, triton_launch
 
     if hasattr(interpreter, "_patch_lang_tensor"):  # Triton 3.6 calls int() on 1-element
         patch = interpreter._patch_lang_tensor      # arrays, which numpy >= 2.4 refuses
@@ -52,9 +48,6 @@ def main() -> None:
             scope.set_attr(tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patch_index
-    import numpy as np
-    import triton.language as tl
-
     # Triton 3.6's interpreter narrows to fp8 by truncation without the carry into the
     # exponent (1.97 -> 1.0); the hardware rounds to nearest even, as torch does
     convert = interpreter._convert_float
@@ -68,9 +61,6 @@ def main() -> None:
         return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(data.shape)
 
     interpreter._convert_float = convert_float
-
-    from graphattn.backends import triton_kernels
-
     # the interpreter has no libdevice: its cos / sin stand in for the hardware approximations
     # (the reduction to [-pi, pi] before them still runs)
     triton_kernels.libdevice = SimpleNamespace(fast_cosf=lambda x: tl.cos(x),
@@ -78,13 +68,29 @@ def main() -> None:
     resolve = launch_config.resolve_kernel
     # CPU tensors through the Triton path: the device questions answered for a CPU (in the
     # modules that ask them; this runs in its own process)
-    from graphattn.backends import ops
-
     ops.resolve_kernel = launch_config.resolve_kernel = (
         lambda kernel, device: "triton" if kernel == "triton" else resolve(kernel, device))
     triton_launch.device_index = lambda device: 0
     triton_launch.has_pdl = lambda index: False
     launch_config.num_sms = lambda device: 8
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1")
+    _patch_interpreter()
+    _check_attention()
+    _check_other_kernels()
+    print("checked")
+
+
+def _check_attention() -> None:
+    """The unified kernel's rows, the fused rotary decode and head groups against float64."""
+    import torch
+
+    from graphattn.backends import launch_config, triton_launch
+    from tests.graphattn.backends import test_ops as t
+
     for name in ("mixed", "decode", "spec_async"):
         for feature in sorted(t.FEATURES):
             t.run_steps(name, t.FEATURES[feature], "cpu", "triton", torch.float32, steps=3,
@@ -109,6 +115,17 @@ def main() -> None:
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
     t.check_head_groups("cpu", torch.float32, 1e-4)  # programs taking part of a KV group
+
+
+def _check_other_kernels() -> None:
+    """fp8 caches, far rotations, the sparse indexer, shared-prefix attention, the GEMV."""
+    import torch
+
+    from tests.graphattn.backends import test_cascade as tc
+    from tests.graphattn.backends import test_linear as tlin
+    from tests.graphattn.backends import test_ops as t
+    from tests.graphattn.backends import test_sparse_indexer as ts
+
     for name in ("mixed", "decode"):  # an fp8 cache, dequantized in registers
         t.run_steps(name, {}, "cpu", "triton", torch.float32, steps=3, tol=1e-4,
                     cache_dtype=torch.float8_e4m3fn, scales=(0.5, 2.0))
@@ -123,7 +140,6 @@ def main() -> None:
             torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     for dtype in (torch.float32, torch.float16):  # the small-M GEMV (bf16 dots: GPU only)
         tlin.check_gemv("cpu", dtype)
-    print("checked")
 
 
 if __name__ == "__main__":
