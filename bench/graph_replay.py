@@ -434,7 +434,7 @@ def main() -> None:
         if "torch_compile_reduce_overhead" in modes:
             rows += compile_rows(name, sizes, lengths, args.steps)
             save(out, name, rows)
-    merge(out)
+    merge(out, args.models.split(","))
 
 
 def save(out: Path, name: str, rows: list[dict]) -> None:
@@ -491,10 +491,14 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def merge(out: Path) -> None:
-    """graph_replay.json (a list of rows) and graph_replay.md from every model's file."""
+def merge(out: Path, models: list[str]) -> None:
+    """graph_replay.json (a list of rows) and graph_replay.md from the files of `models`
+    (`graph_replay_<model>.json`; other files in `out`, such as runs on other cards, stay
+    out)."""
     rows: list[dict] = []
-    for path in sorted(out.glob("graph_replay_*.json")):
+    for path in (out / f"graph_replay_{name}.json" for name in sorted(models)):
+        if not path.exists():
+            continue
         got = json.loads(path.read_text())
         rows += [{**r, "date": got["meta"]["date"], "torch": got["meta"]["torch"],
                   "device": got["meta"]["device"], "command": got["meta"]["command"]}
