@@ -96,11 +96,12 @@ class DeviceStep:
         self.piecewise, self.profiler = piecewise, profiler
         self.compiler = self.assembler = None
         if compile.enabled:
+            inductor = compile.backend == "inductor"
             kw = dict(backend=compile.backend, max_compiles=compile.max_compiles,
                       fullgraph=compile.fullgraph,
-                      options=compile.inductor_options() if compile.backend == "inductor"
-                      else None)
-            self.compiler = BucketCompiler(self._run_compiled, **kw)
+                      options=compile.inductor_options() if inductor else None)
+            self.compiler = BucketCompiler(self._run_compiled, **kw, size_options={
+                n: compile.inductor_options(n) for n in compile.size_options})
             self.assembler = BucketCompiler(assemble_tensors, **kw)
         self.advanced = False
         dev = state.device
@@ -164,7 +165,8 @@ class DeviceStep:
                   and key.num_tokens_padded == key.num_reqs_padded)
         if compiled:  # compiled code may advance the truth at any point of its run
             self.advanced = True
-            return self.compiler(batch, meta, spec, single, draft)
+            with self.compiler.at_size(key.num_tokens_padded):
+                return self.compiler(batch, meta, spec, single, draft)
         return self._run(batch, meta, spec, single, self.piecewise if piecewise else self.forward,
                          draft)
 

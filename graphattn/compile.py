@@ -9,7 +9,7 @@ has no such restriction.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +54,9 @@ class BucketCompiler:
         Refuse graph breaks (the whole function must compile to one graph).
     options : dict, optional
         Inductor options; "triton.cudagraphs" is forced off.
+    size_options : mapping of int to dict, optional
+        Inductor options (in full) of the compiles that run inside ``at_size(n)`` for these
+        n, in place of `options`.
 
     Attributes
     ----------
@@ -69,14 +72,18 @@ class BucketCompiler:
         max_compiles: int = 256,
         options: dict[str, Any] | None = None,
         fullgraph: bool = True,
+        size_options: Mapping[int, dict[str, Any]] | None = None,
     ) -> None:
         self.num_compiles = 0
         self.frozen = False
         self.max_compiles = max_compiles
         self._inner_name = backend
         self._options = dict(options or {})
+        self._size_options = {n: dict(o) for n, o in (size_options or {}).items()}
+        self._size: int | None = None
         if backend == "inductor":
-            self._options["triton.cudagraphs"] = False
+            for opts in (self._options, *self._size_options.values()):
+                opts["triton.cudagraphs"] = False
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=dynamic,
                                        fullgraph=fullgraph)
 
@@ -90,7 +97,8 @@ class BucketCompiler:
         if self._inner_name == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            with torch._inductor.config.patch(self._options):
+            with torch._inductor.config.patch(self._size_options.get(self._size,
+                                                                     self._options)):
                 return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
 
@@ -105,6 +113,15 @@ class BucketCompiler:
                 if cause is not None:
                     raise cause from e
                 raise
+
+    @contextlib.contextmanager
+    def at_size(self, num_tokens: int) -> Iterator[None]:
+        """Block whose compiles take ``size_options[num_tokens]`` where given."""
+        before, self._size = self._size, num_tokens
+        try:
+            yield
+        finally:
+            self._size = before
 
     def freeze(self) -> None:
         """From now on any compile raises RecompileError."""

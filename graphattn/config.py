@@ -71,6 +71,11 @@ class CompileConfig:
         every kernel compiles in this process and no pool starts, the fast path when
         inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) already holds the kernels: a warm
         start then skips the pool's start-up (`bench.warm_start --warm-compile-threads 1`).
+    size_options : mapping of int to str or mapping, optional
+        Per padded token count (a key's ``num_tokens_padded``: its batch shape), an inductor
+        mode name or options that its compile adds to `mode` and `options`, e.g.
+        ``{1: "max-autotune-no-cudagraphs"}`` autotunes the batch-1 decode alone, where
+        it may pay, and leaves every other shape's compile time as it is.
     """
 
     enabled: bool = False
@@ -81,6 +86,7 @@ class CompileConfig:
     max_compiles: int = 256
     pdl: bool = False
     compile_threads: int | None = None
+    size_options: Mapping[int, str | Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_bool("CompileConfig.enabled", self.enabled)
@@ -103,19 +109,45 @@ class CompileConfig:
         as_index("CompileConfig.max_compiles", self.max_compiles, 1)
         if self.compile_threads is not None:
             as_index("CompileConfig.compile_threads", self.compile_threads, 1)
+        self._check_size_options()
 
-    def inductor_options(self) -> dict[str, Any]:
-        """The inductor options of `mode` and `options` (`options` win); CUDA graphs off."""
+    def _check_size_options(self) -> None:
+        if not isinstance(self.size_options, Mapping):
+            raise ValueError(f"CompileConfig.size_options must be a mapping, got "
+                             f"{type(self.size_options).__name__}")
+        for size, opts in self.size_options.items():
+            as_index("CompileConfig.size_options key", size, 1)
+            if not isinstance(opts, str | Mapping):
+                raise ValueError(f"CompileConfig.size_options[{size}] must be an inductor mode "
+                                 f"name or a mapping of options, got {type(opts).__name__}")
+            if isinstance(opts, str):
+                from torch._inductor import list_mode_options
+
+                try:
+                    list_mode_options(opts)
+                except (KeyError, ValueError, RuntimeError) as e:
+                    raise ValueError(f"CompileConfig.size_options[{size}] = {opts!r} is not an "
+                                     f"inductor mode") from e
+            if self.backend != "inductor":
+                raise ValueError(f"CompileConfig.size_options needs backend 'inductor', got "
+                                 f"{self.backend!r}")
+        object.__setattr__(self, "size_options", MappingProxyType(dict(self.size_options)))
+
+    def inductor_options(self, num_tokens: int | None = None) -> dict[str, Any]:
+        """The inductor options of `mode` and `options` (`options` win), then those of
+        ``size_options[num_tokens]`` where given; CUDA graphs off."""
+        from torch._inductor import list_mode_options
+
         opts: dict[str, Any] = {}
         if self.mode is not None:
-            from torch._inductor import list_mode_options
-
             opts.update(list_mode_options(self.mode))
         if self.pdl:
             opts["triton.enable_pdl"] = True
         if self.compile_threads is not None:
             opts["compile_threads"] = self.compile_threads
         opts.update(self.options)
+        extra = self.size_options.get(num_tokens, {})
+        opts.update(list_mode_options(extra) if isinstance(extra, str) else extra)
         opts["triton.cudagraphs"] = False
         return opts
 

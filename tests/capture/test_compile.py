@@ -183,3 +183,39 @@ def test_compiled_kernels_launch_with_pdl_and_stay_right():
             torch.testing.assert_close(out.logits[j], ref, rtol=2e-3, atol=2e-3)
             seq[s].append(int(out.sampled[j]))
         sched = SchedulerOutput(slots, np.ones(2, np.int32))
+
+
+def test_size_options_reach_the_compile_of_their_batch_shape_only(monkeypatch):
+    """CompileConfig.size_options: the batch-1 decode compiles under its own inductor
+    options (here max_autotune), the batch-2 one under the global options."""
+    import numpy as np
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from graphattn import CompileConfig, GraphRunner, RunnerConfig
+    from graphattn.buckets import BucketPolicy
+    from graphattn.models.tiny import TinyConfig, TinyDecoder
+    from graphattn.state import RequestState, SchedulerOutput
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, **kwargs):  # records, then runs the graph as is
+        seen.append(torch._inductor.config.max_autotune)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    torch._dynamo.reset()
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1))
+    st = RequestState(2, 32, 8)
+    model.allocate_caches(8, 8)
+    runner = GraphRunner(model, st, RunnerConfig(
+        policy=BucketPolicy(capture_sizes=(1, 2), length_boundaries=(32,)),
+        compile=CompileConfig(enabled=True, size_options={1: {"max_autotune": True}})))
+    runner.capture(progress=False)
+    # the step twice, one compile with max_autotune; prepare's device half (the assembler)
+    # twice, with the global options
+    assert runner.compiler.num_compiles == 2 and sorted(seen) == [False, False, False, True]
+    a = runner.add_request("a", [3, 1, 4])
+    runner.step(SchedulerOutput(np.array([a]), np.array([3])))
+    out = runner.step(SchedulerOutput(np.array([a]), np.array([1])))
+    ref = model.reference_logits(torch.tensor([3, 1, 4, int(runner.token_ids[a, 3])]))[-1]
+    torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
