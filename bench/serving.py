@@ -122,15 +122,16 @@ class _ServingLoop:
         room = np.maximum(256 - (np.cumsum(want) - want), 0)
         take = np.where(decoding, want, np.minimum(want, room))
         keep = take > 0
-        if not keep.any():
-            return None, [], keep.nonzero()[0]
+        rows = np.flatnonzero(keep)
+        if not rows.size:
+            return None, [], rows
         sched = SchedulerOutput(slots[keep], take[keep], np.where(decoding, drafts, 0)[keep]
                                 if self.oracle or self.ngram else None)
         # the host drafts of the kept rows, in batch order (the n-gram proposer drafts in the
         # step)
         kept = [t for r, j in enumerate(np.flatnonzero(drafts > 0)) if keep[j]
                 for t in flat[r]] if self.oracle is not None else []
-        return sched, kept, np.flatnonzero(keep)
+        return sched, kept, rows
 
     def _step(self, sched: SchedulerOutput, flat: list[int]) -> object:
         with count_host_syncs() if self.steps < 5 else _nullcount() as c:

@@ -131,6 +131,25 @@ def _lazy_main(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     return results
 
 
+def _capture_main(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    results = []
+    mixed = tuple(int(t) for t in args.mixed.split(","))
+    for name in args.models.split(","):
+        forward, kind = build(name, args.device, dtype)
+        for logits in ("used", "all"):
+            forward.allocate_caches(args.max_reqs * -(-args.max_len // BLOCK), BLOCK)
+            r = measure(forward, args.device, args.max_reqs, args.max_len, mixed, logits)
+            results.append({"model": name, "forward": kind, "max_reqs": args.max_reqs, **r})
+            print(f"{name:6s} {logits:4s} rows: {r['keys']} keys in {r['capture_s']:.2f} s, "
+                  f"pool {r['pool_mib']:.0f} MiB (estimated {r['estimate_mib']:.0f}); eager "
+                  f"first step {r['eager_first_step_s']:.3f} s")
+            forward.caches = []
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        del forward
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,21 +165,7 @@ def main() -> None:
                     help="first steps of new keys with lazy capture (startup_lazy.json)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    mixed = tuple(int(t) for t in args.mixed.split(","))
-    results = _lazy_main(args, dtype) if args.lazy else []
-    for name in args.models.split(",") if not args.lazy else ():
-        forward, kind = build(name, args.device, dtype)
-        for logits in ("used", "all"):
-            forward.allocate_caches(args.max_reqs * -(-args.max_len // BLOCK), BLOCK)
-            r = measure(forward, args.device, args.max_reqs, args.max_len, mixed, logits)
-            results.append({"model": name, "forward": kind, "max_reqs": args.max_reqs, **r})
-            print(f"{name:6s} {logits:4s} rows: {r['keys']} keys in {r['capture_s']:.2f} s, "
-                  f"pool {r['pool_mib']:.0f} MiB (estimated {r['estimate_mib']:.0f}); eager "
-                  f"first step {r['eager_first_step_s']:.3f} s")
-            forward.caches = []
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        del forward
+    results = (_lazy_main if args.lazy else _capture_main)(args, dtype)
     if args.out:
         meta = result_meta("bench.startup", args)
         Path(args.out).mkdir(parents=True, exist_ok=True)

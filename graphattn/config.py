@@ -115,6 +115,9 @@ class CompileConfig:
         if not isinstance(self.size_options, Mapping):
             raise ValueError(f"CompileConfig.size_options must be a mapping, got "
                              f"{type(self.size_options).__name__}")
+        if self.size_options and self.backend != "inductor":
+            raise ValueError(f"CompileConfig.size_options needs backend 'inductor', got "
+                             f"{self.backend!r}")
         for size, opts in self.size_options.items():
             as_index("CompileConfig.size_options key", size, 1)
             if not isinstance(opts, str | Mapping):
@@ -128,9 +131,6 @@ class CompileConfig:
                 except (KeyError, ValueError, RuntimeError) as e:
                     raise ValueError(f"CompileConfig.size_options[{size}] = {opts!r} is not an "
                                      f"inductor mode") from e
-            if self.backend != "inductor":
-                raise ValueError(f"CompileConfig.size_options needs backend 'inductor', got "
-                                 f"{self.backend!r}")
         object.__setattr__(self, "size_options", MappingProxyType(dict(self.size_options)))
 
     def inductor_options(self, num_tokens: int | None = None) -> dict[str, Any]:
