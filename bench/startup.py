@@ -41,13 +41,22 @@ def build(model_name: str, device: str, dtype: torch.dtype) -> tuple[object, str
     return hf_llama(device, dtype), "HFCausalLM(LlamaForCausalLM)"
 
 
+def startup_policy(max_reqs: int, max_len: int, mixed: str | tuple[int, ...] = ()
+                   ) -> BucketPolicy:
+    """The keys a start captures: a uniform decode key per default capture size up to
+    `max_reqs`, mixed keys of `mixed` tokens (comma-separated or a tuple), one length bucket."""
+    if isinstance(mixed, str):
+        mixed = tuple(int(t) for t in mixed.split(",") if t)
+    return BucketPolicy(capture_sizes=default_capture_sizes(max_reqs),
+                        length_boundaries=(max_len,), mixed_token_sizes=tuple(mixed))
+
+
 def measure(forward: object, device: str, max_reqs: int, max_len: int, mixed: tuple[int, ...],
             logits: str) -> dict:
     """Capture every key (`CaptureReport`: seconds and pool MiB after each), and time the
     eager first step of a `max(mixed)`-token prefill."""
     st = RequestState(max_reqs, max_len, BLOCK, device)
-    policy = BucketPolicy(capture_sizes=default_capture_sizes(max_reqs),
-                          length_boundaries=(max_len,), mixed_token_sizes=mixed)
+    policy = startup_policy(max_reqs, max_len, mixed)
     names = None if logits == "used" else ("input_ids", "positions")
     runner = GraphRunner(forward, st, RunnerConfig(policy=policy, static_input_names=names))
     t0 = time.perf_counter()
@@ -91,8 +100,7 @@ def measure_lazy(forward: object, device: str, max_reqs: int, max_len: int,
 def _lazy_pass(forward: object, device: str, max_reqs: int, max_len: int,
                sizes: tuple[int, ...]) -> list[dict]:
     st = RequestState(max_reqs, max_len, BLOCK, device)
-    policy = BucketPolicy(capture_sizes=default_capture_sizes(max_reqs),
-                          length_boundaries=(max_len,), mixed_token_sizes=())
+    policy = startup_policy(max_reqs, max_len)
     runner = GraphRunner(forward, st, RunnerConfig(policy=policy, lazy_capture=True))
     rng = np.random.default_rng(0)
     rows = []

@@ -1,17 +1,29 @@
-"""Cold vs warm start: capture (compile included) of a compiled runner on the tiny model's
-default keys (`BucketPolicy()`), in two fresh processes sharing one compile-cache folder
-(torch's inductor FX-graph and AOT caches, under TORCHINDUCTOR_CACHE_DIR; point it at a folder
-of your own to keep artifacts across runs).
+"""Cold vs warm start: capture (compile included) of a compiled runner, in two fresh processes
+sharing one compile-cache folder (torch's inductor FX-graph and AOT caches, under
+TORCHINDUCTOR_CACHE_DIR; point it at a folder of your own to keep artifacts across runs).
 
-    python -m bench.warm_start [--device cuda] [--cache-dir DIR] [--out DIR]
-                               [--compile-threads N] [--warm-compile-threads N]
+The keys are those of `bench.startup`: a uniform decode key for every default capture size
+up to ``--max-reqs`` and mixed keys of ``--mixed`` tokens, one length bucket of
+``--max-len``; the model is one of `bench.setup.MODELS`, bf16 on CUDA.
+
+    python -m bench.warm_start [--model tiny] [--max-reqs 8] [--device cuda] [--cache-dir DIR]
+                               [--dynamic] [--compile-threads N] [--warm-compile-threads N]
+                               [--profile] [--out DIR]
+
+``--dynamic`` compiles with `CompileConfig(dynamic=True)` (one compile shared by the batch
+shapes). Results go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_threadsN][_warmN]``
+``.json``; with ``--profile`` each start runs under cProfile and the functions with the most
+cumulative time, with dynamo's compile-phase times, go to the same name ending
+``_profile.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -21,68 +33,116 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-CHILD = """
-import json, time, torch
-from graphattn import CompileConfig, GraphRunner, RunnerConfig
-from graphattn.models.tiny import TinyConfig, TinyDecoder
-from graphattn.state import RequestState
-dev = "{device}"
-torch.manual_seed(0)
-model = TinyDecoder(TinyConfig()).to(dev)
-st = RequestState(8, 256, 16, dev)
-model.allocate_caches(8 * st.max_num_blocks_per_req, 16)
-runner = GraphRunner(model, st, RunnerConfig(compile=CompileConfig(
-    enabled=True, compile_threads={threads})))
-keys = runner.dispatcher.all_keys()
-t0 = time.perf_counter()
-runner.capture(keys[:1], progress=False)
-t1 = time.perf_counter()
-report = runner.capture(progress=False)
-t2 = time.perf_counter()
-print(json.dumps({{"seconds": t2 - t0, "first_key_s": t1 - t0, "other_keys_s": t2 - t1,
-                  "keys": len(keys), "compiles": runner.compiler.num_compiles}}))
-"""
+from bench.setup import MODELS, result_meta
+
+BLOCK = 16
+
+
+def child(args: argparse.Namespace) -> None:
+    """One start: build the runner, capture the first key, then the others; print a JSON
+    row (stdout) and dynamo's compile times (stderr)."""
+    from bench.startup import startup_policy
+    from graphattn import CompileConfig, GraphRunner, RequestState, RunnerConfig
+    from graphattn.models.tiny import TinyDecoder
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = TinyDecoder(MODELS[args.model]).to(dtype)
+    st = RequestState(args.max_reqs, args.max_len, BLOCK, args.device)
+    model.allocate_caches(args.max_reqs * st.max_num_blocks_per_req, BLOCK)
+    policy = startup_policy(args.max_reqs, args.max_len, args.mixed)
+    runner = GraphRunner(model, st, RunnerConfig(policy=policy, compile=CompileConfig(
+        enabled=True, compile_threads=args.compile_threads, dynamic=args.dynamic)))
+    keys = runner.dispatcher.all_keys()
+    t0 = time.perf_counter()
+    runner.capture(keys[:1], progress=False)
+    t1 = time.perf_counter()
+    runner.capture(progress=False)
+    t2 = time.perf_counter()
+    print(json.dumps({"seconds": t2 - t0, "first_key_s": t1 - t0, "other_keys_s": t2 - t1,
+                      "keys": len(keys), "compiles": runner.compiler.num_compiles}))
+    print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
+
+
+def start(args: argparse.Namespace, threads: int | None, env: dict[str, str],
+          prof: Path | None) -> tuple[dict, str]:
+    """Run one start in a fresh process: its JSON row and its stderr."""
+    opts = ["--child", "--model", args.model, "--max-reqs", str(args.max_reqs), "--max-len",
+            str(args.max_len), "--mixed", args.mixed, "--device", args.device]
+    opts += ["--compile-threads", str(threads)] if threads else []
+    opts += ["--dynamic"] if args.dynamic else []
+    cmd = [sys.executable] + (["-m", "cProfile", "-o", str(prof)] if prof else [])
+    proc = subprocess.run(cmd + ["-m", "bench.warm_start", *opts], capture_output=True,
+                          text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"the {args.model} start failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def profile_text(name: str, prof: Path, stderr: str) -> str:
+    """The start's 40 functions of most cumulative time and its compile-phase times."""
+    buf = io.StringIO()
+    pstats.Stats(str(prof), stream=buf).sort_stats("cumulative").print_stats(40)
+    phases = stderr[stderr.rfind("TorchDynamo compilation metrics"):] \
+        if "TorchDynamo compilation metrics" in stderr else ""
+    return f"## {name} start\n{buf.getvalue()}\n{phases}\n"
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS), help="bench model")
+    ap.add_argument("--max-reqs", type=int, default=8, help="the state's max_num_reqs")
+    ap.add_argument("--max-len", type=int, default=2048, help="the state's max_model_len")
+    ap.add_argument("--mixed", default="512,2048", help="comma-separated mixed key sizes")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--cache-dir", default=None,
+                    help="inductor's cache folder (default: a fresh temporary one)")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="CompileConfig.dynamic: one compile shared by the batch shapes")
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="CompileConfig.compile_threads of both starts (default: the runner's)")
+    ap.add_argument("--warm-compile-threads", type=int, default=None,
+                    help="CompileConfig.compile_threads of the warm start only")
+    ap.add_argument("--profile", action="store_true",
+                    help="run each start under cProfile (the result name + _profile.txt)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help="folder for the result files")
+    return ap.parse_args()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu",
-                    help="torch device")
-    ap.add_argument("--cache-dir", default=None,
-                    help="inductor's cache folder (default: a fresh temporary one)")
-    ap.add_argument("--out", default=None,
-                    help="folder for the result files")
-    ap.add_argument("--compile-threads", type=int, default=None,
-                    help="CompileConfig.compile_threads of both starts (default: inductor's)")
-    ap.add_argument("--warm-compile-threads", type=int, default=None,
-                    help="CompileConfig.compile_threads of the warm start only (1: no worker "
-                         "pool once the cache holds the kernels)")
-    args = ap.parse_args()
+    args = parse()
+    if args.child:
+        return child(args)
     cache = args.cache_dir or tempfile.mkdtemp(prefix="graphattn-inductor-")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-    rows = []
-    for start in tqdm(("cold", "warm"), desc="warm_start", unit="start"):
-        threads = args.warm_compile_threads if start == "warm" and \
+    # the second start of one installation: Python's bytecode cache is shared too (where
+    # site-packages is read-only, each process would recompile torch's sources)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+           "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX",
+                                                 str(Path(cache, "pycache")))}
+    rows, texts = [], []
+    for name in tqdm(("cold", "warm"), desc="warm_start", unit="start"):
+        threads = args.warm_compile_threads if name == "warm" and \
             args.warm_compile_threads else args.compile_threads
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD.format(device=args.device, threads=threads)],
-            capture_output=True, text=True, env=env, check=True)
-        rows.append({"start": start, "cache_dir": cache, "compile_threads": threads,
-                     **json.loads(proc.stdout.strip().splitlines()[-1])})
+        prof = Path(cache, f"{name}.prof") if args.profile else None
+        row, stderr = start(args, threads, env, prof)
+        rows.append({"start": name, "compile_threads": threads, **row})
+        texts += [profile_text(name, prof, stderr)] if prof else []
         tqdm.write(json.dumps(rows[-1]))
     if args.out:
-        meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                "device": args.device, "command": "python -m bench.warm_start --device "
-                + args.device + (f" --compile-threads {args.compile_threads}"
-                                 if args.compile_threads else "")
-                + (f" --warm-compile-threads {args.warm_compile_threads}"
-                   if args.warm_compile_threads else "")}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        tag = f"_threads{args.compile_threads}" if args.compile_threads else ""
+        meta = result_meta("bench.warm_start", argparse.Namespace(
+            **{k: v for k, v in vars(args).items() if k not in ("cache_dir", "child")}))
+        tag = "_dynamic" if args.dynamic else ""
+        tag += f"_threads{args.compile_threads}" if args.compile_threads else ""
         tag += f"_warm{args.warm_compile_threads}" if args.warm_compile_threads else ""
-        Path(args.out, f"warm_start_{args.device}{tag}.json").write_text(
+        stem = f"warm_start_{args.device}_{args.model}_{args.max_reqs}{tag}"
+        Path(args.out, f"{stem}.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if texts:
+            Path(args.out, f"{stem}_profile.txt").write_text("\n".join(texts))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ class DeviceStep:
         if compile.enabled:
             inductor = compile.backend == "inductor"
             kw = dict(backend=compile.backend, max_compiles=compile.max_compiles,
-                      fullgraph=compile.fullgraph,
+                      fullgraph=compile.fullgraph, dynamic=compile.dynamic,
                       options=compile.inductor_options() if inductor else None)
             self.compiler = BucketCompiler(self._run_compiled, **kw, size_options={
                 n: compile.inductor_options(n) for n in compile.size_options})

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.fx.experimental._config
 
 from graphattn.sync import opaque_region
 
@@ -35,6 +36,17 @@ def dynamo_limits(limit: int) -> contextlib.AbstractContextManager[None]:
     return cfg.patch(changes)
 
 
+def _shape_config(dynamic: bool) -> contextlib.AbstractContextManager[None]:
+    """Dynamic compiles: duck sizing off (two sizes equal at one key, the batch and
+    ``max_num_reqs``, must not be guarded equal and recompile at the next) and float
+    scalars specialized (the model's constants, not step inputs)."""
+    stack = contextlib.ExitStack()
+    if dynamic:
+        stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
+        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    return stack
+
+
 class BucketCompiler:
     """Compile `fn` once per static shape set (one per GraphKey).
 
@@ -46,7 +58,10 @@ class BucketCompiler:
     backend : str
         Inner dynamo backend ("inductor"; "eager"/"aot_eager" in tests).
     dynamic : bool
-        False: static shapes per key. True: symbolic batch dims.
+        False: static shapes, one compile per shape. True: symbolic sizes (dynamo's dynamic
+        shapes, duck sizing off so equal sizes stay apart), one compile serving every size
+        but those dynamo specializes (0 and 1); sizes given in `size_options` still compile
+        statically under their own options.
     max_compiles : int
         Dynamo's recompile limit is raised to this, and hitting it fails
         instead of silently running eager.
@@ -84,8 +99,12 @@ class BucketCompiler:
         if backend == "inductor":
             for opts in (self._options, *self._size_options.values()):
                 opts["triton.cudagraphs"] = False
+        self.dynamic = dynamic
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=dynamic,
                                        fullgraph=fullgraph)
+        # a torch.compile of its own: dynamo keeps each backend's graphs apart
+        self._static = torch.compile(fn, backend=self._backend, dynamic=False,
+                                     fullgraph=fullgraph) if dynamic and size_options else None
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.frozen:
@@ -103,9 +122,11 @@ class BucketCompiler:
         return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with dynamo_limits(self.max_compiles), opaque_region():
+        static = self._static is not None and self._size in self._size_options
+        fn = self._static if static else self._compiled
+        with dynamo_limits(self.max_compiles), opaque_region(), _shape_config(self.dynamic):
             try:
-                return self._compiled(*args, **kwargs)
+                return fn(*args, **kwargs)
             except Exception as e:
                 cause = e
                 while cause is not None and not isinstance(cause, RecompileError):

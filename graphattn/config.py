@@ -71,11 +71,19 @@ class CompileConfig:
         every kernel compiles in this process and no pool starts, the fast path when
         inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) already holds the kernels: a warm
         start then skips the pool's start-up (`bench.warm_start --warm-compile-threads 1`).
+    dynamic : bool
+        One compile for every batch shape: the token and request counts are symbolic
+        (dynamo's dynamic shapes), and each key's graph is captured from the shared code.
+        Batch 1 and the mixed keys still compile apart (dynamo specializes size 1; mixed
+        steps gather logits), so a 256-request policy of 37 keys compiles about 3 step graphs
+        instead of 37: the cold-start path. False: one compile per batch shape, each
+        specialized to its sizes.
     size_options : mapping of int to str or mapping, optional
         Per padded token count (a key's ``num_tokens_padded``: its batch shape), an inductor
         mode name or options that its compile adds to `mode` and `options`, e.g.
         ``{1: "max-autotune-no-cudagraphs"}`` autotunes the batch-1 decode alone, where
-        it may pay, and leaves every other shape's compile time as it is.
+        it may pay, and leaves every other shape's compile time as it is. With `dynamic`,
+        these shapes compile statically, apart from the shared code.
     """
 
     enabled: bool = False
@@ -86,6 +94,7 @@ class CompileConfig:
     max_compiles: int = 256
     pdl: bool = False
     compile_threads: int | None = None
+    dynamic: bool = False
     size_options: Mapping[int, str | Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +104,7 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.pdl = True needs inductor's triton.enable_pdl, "
                              f"which torch {torch.__version__} lacks")
         _check_bool("CompileConfig.fullgraph", self.fullgraph)
+        _check_bool("CompileConfig.dynamic", self.dynamic)
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"CompileConfig.backend must be a backend name, got "
                              f"{self.backend!r}")

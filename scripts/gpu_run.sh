@@ -13,7 +13,8 @@
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
 #   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
 #                  PROFILE_SHAPES="B:L ...", PROFILE_MODEL=1b), inductor's output code beside
-#   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys)
+#   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys;
+#                  WARM_ARGS, default "--model 1b --max-reqs 256 --dynamic --profile")
 #   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all;
 #                  STARTUP_ARGS=--lazy: first steps of new keys with lazy capture)
 #   spec-MODEL     python -m bench.speculative --model MODEL (plain, n-gram, draft models)
@@ -81,10 +82,8 @@ for part in "$@"; do
         tail -5 "$OUT/output_code_${bl/:/_}.txt"
       done ;;
     warm)
-      python3 -m bench.warm_start --device cuda --out "$OUT" 2>&1 | tee "$OUT/warm_start.txt"
-      rc=$((rc | PIPESTATUS[0]))
-      python3 -m bench.warm_start --device cuda --warm-compile-threads 1 --out "$OUT" 2>&1 \
-        | tee -a "$OUT/warm_start.txt"
+      timeout "${WARM_TIMEOUT:-400}" python3 -m bench.warm_start --device cuda --out "$OUT" \
+        ${WARM_ARGS:---model 1b --max-reqs 256 --dynamic --profile} 2>&1 | tee -a "$OUT/warm_start.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     startup)
       python3 -m bench.startup --models "${STARTUP_MODELS:-tiny,1b,hf-1b}" \

@@ -219,3 +219,86 @@ def test_size_options_reach_the_compile_of_their_batch_shape_only(monkeypatch):
     out = runner.step(SchedulerOutput(np.array([a]), np.array([1])))
     ref = model.reference_logits(torch.tensor([3, 1, 4, int(runner.token_ids[a, 3])]))[-1]
     torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device):
+    """CompileConfig(dynamic=True): the decode keys of 2, 3 and 4 rows replay graphs captured
+    from one compiled step (batch 1 compiles apart: dynamo specializes size 1), every row
+    gives the reference logits with no host read, and steady steps never recompile."""
+    import numpy as np
+
+    from graphattn import CompileConfig, GraphRunner, RunnerConfig
+    from graphattn.buckets import BucketPolicy
+    from graphattn.models.tiny import TinyConfig, TinyDecoder
+    from graphattn.state import RequestState, SchedulerOutput
+    from graphattn.sync import no_host_sync
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1)).to(device)
+    st = RequestState(4, 32, 8, device)
+    model.allocate_caches(16, 8)
+    runner = GraphRunner(model, st, RunnerConfig(
+        policy=BucketPolicy(capture_sizes=(1, 2, 3, 4), length_boundaries=(32,)),
+        compile=CompileConfig(enabled=True, dynamic=True)))
+    assert runner.capture(progress=False).num_graphs == 4
+    assert runner.compiler.num_compiles == 2  # batch 1, and 2-4 from one compile
+    rng = np.random.default_rng(0)
+    seq = {}
+    for name in "abcd":
+        prompt = rng.integers(0, 64, int(rng.integers(2, 6))).tolist()
+        seq[runner.add_request(name, prompt)] = prompt
+    slots = np.array(sorted(seq), np.int32)
+    runner.step(SchedulerOutput(slots, np.array([len(seq[s]) for s in slots])))
+    for s, t in zip(slots, runner.token_ids[slots, [len(seq[s]) for s in slots]].tolist(),
+                    strict=True):
+        seq[s].append(t)
+    for n in (3, 1, 4, 2, 4):
+        live = np.sort(rng.choice(slots, n, replace=False)).astype(np.int32)
+        with no_host_sync():
+            out = runner.step(SchedulerOutput(live, np.ones(n, np.int32)))
+        assert out.replayed
+        for j, s in enumerate(live):
+            ref = model.reference_logits(torch.tensor(seq[s], device=device))[-1]
+            tol = 1e-4 if device == "cpu" else 2e-3
+            torch.testing.assert_close(out.logits[j], ref, rtol=tol, atol=tol)
+            seq[s].append(int(out.sampled[j]))
+    assert runner.compiler.num_compiles == 2
+
+
+def test_size_options_compile_statically_under_dynamic_shapes(monkeypatch):
+    """CompileConfig(dynamic=True, size_options={2: ...}): batch 2 compiles on its own with
+    its options; batch 1 (specialized by dynamo) and 3 share the global options."""
+    import numpy as np
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from graphattn import CompileConfig, GraphRunner, RunnerConfig
+    from graphattn.buckets import BucketPolicy
+    from graphattn.models.tiny import TinyConfig, TinyDecoder
+    from graphattn.state import RequestState, SchedulerOutput
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, **kwargs):  # records, then runs the graph as is
+        seen.append(torch._inductor.config.max_autotune)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    torch._dynamo.reset()
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1))
+    st = RequestState(3, 32, 8)
+    model.allocate_caches(12, 8)
+    runner = GraphRunner(model, st, RunnerConfig(
+        policy=BucketPolicy(capture_sizes=(1, 2, 3), length_boundaries=(32,)),
+        compile=CompileConfig(enabled=True, dynamic=True,
+                              size_options={2: {"max_autotune": True}})))
+    runner.capture(progress=False)
+    # the step three times, prepare's device half (the assembler) twice: batch 1 and shared
+    assert runner.compiler.num_compiles == 3 and sorted(seen) == [False] * 4 + [True]
+    a, b = runner.add_request("a", [3, 1, 4]), runner.add_request("b", [2, 7])
+    runner.step(SchedulerOutput(np.array([a, b]), np.array([3, 2])))
+    out = runner.step(SchedulerOutput(np.array([a, b]), np.array([1, 1])))
+    assert out.replayed and runner.compiler.num_compiles == 3
+    ref = model.reference_logits(torch.tensor([3, 1, 4, int(runner.token_ids[a, 3])]))[-1]
+    torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
