@@ -23,7 +23,7 @@ from torch.fx.passes.split_module import split_module
 
 from graphattn.backends import ops  # noqa: F401  (registers torch.ops.graphattn)
 from graphattn.capture.graphs import capturing
-from graphattn.compile import RecompileError, dynamo_limits
+from graphattn.compile import RecompileError, dynamic_shape_config, dynamo_limits
 from graphattn.sync import opaque_region
 
 __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
@@ -165,7 +165,7 @@ class PiecewiseCompiler:
     def __call__(self, inputs: dict[str, torch.Tensor], meta: Any) -> Any:
         for t in inputs.values():
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        with dynamo_limits(64), opaque_region(), _shape_config():
+        with dynamo_limits(64), opaque_region(), dynamic_shape_config(specialize_int=True):
             return self._compiled(inputs, meta)
 
     def freeze(self) -> None:
@@ -205,20 +205,6 @@ def _module_state(fn: Any) -> list[torch.Tensor]:
         if isinstance(holder, torch.nn.Module):
             return [*holder.parameters(), *holder.buffers()]
     return []
-
-
-def _shape_config() -> contextlib.AbstractContextManager[None]:
-    """Python floats and ints of the metadata stay constants (a symbolic float would be a
-    0-d tensor read back with .item(), a host sync), and sizes that happen to be equal are
-    not unified (a later batch would recompile)."""
-    stack = contextlib.ExitStack()
-    cfg = torch._dynamo.config
-    stack.enter_context(cfg.patch({k: True for k in ("specialize_float", "specialize_int")
-                                   if hasattr(cfg, k)}))
-    fx_cfg = getattr(torch.fx.experimental, "_config", None)
-    if fx_cfg is not None and hasattr(fx_cfg, "use_duck_shape"):
-        stack.enter_context(fx_cfg.patch(use_duck_shape=False))
-    return stack
 
 
 class _PieceModule(torch.nn.Module):

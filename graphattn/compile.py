@@ -17,7 +17,7 @@ import torch.fx.experimental._config
 
 from graphattn.sync import opaque_region
 
-__all__ = ["BucketCompiler", "RecompileError", "dynamo_limits"]
+__all__ = ["BucketCompiler", "RecompileError", "dynamic_shape_config", "dynamo_limits"]
 
 
 class RecompileError(RuntimeError):
@@ -36,14 +36,18 @@ def dynamo_limits(limit: int) -> contextlib.AbstractContextManager[None]:
     return cfg.patch(changes)
 
 
-def _shape_config(dynamic: bool) -> contextlib.AbstractContextManager[None]:
-    """Dynamic compiles: duck sizing off (two sizes equal at one key, the batch and
-    ``max_num_reqs``, must not be guarded equal and recompile at the next) and float
-    scalars specialized (the model's constants, not step inputs)."""
+def dynamic_shape_config(specialize_int: bool) -> contextlib.AbstractContextManager[None]:
+    """Dynamo settings of a dynamic-shape compile: Python floats of the metadata stay
+    constants (a symbolic float would be a 0-d tensor read back with .item(), a host sync),
+    ints too with `specialize_int`, and sizes that happen to be equal are not unified (the
+    batch and ``max_num_reqs`` at one key: the next key would recompile)."""
     stack = contextlib.ExitStack()
-    if dynamic:
-        stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
-        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    cfg = torch._dynamo.config
+    names = ("specialize_float", "specialize_int") if specialize_int else ("specialize_float",)
+    stack.enter_context(cfg.patch({k: True for k in names if hasattr(cfg, k)}))
+    fx_cfg = getattr(torch.fx.experimental, "_config", None)
+    if fx_cfg is not None and hasattr(fx_cfg, "use_duck_shape"):
+        stack.enter_context(fx_cfg.patch(use_duck_shape=False))
     return stack
 
 
@@ -124,7 +128,10 @@ class BucketCompiler:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         static = self._static is not None and self._size in self._size_options
         fn = self._static if static else self._compiled
-        with dynamo_limits(self.max_compiles), opaque_region(), _shape_config(self.dynamic):
+        # the metadata's ints (row counts) stay symbolic: one compile serves every key
+        shapes = dynamic_shape_config(specialize_int=False) if self.dynamic and not static \
+            else contextlib.nullcontext()
+        with dynamo_limits(self.max_compiles), opaque_region(), shapes:
             try:
                 return fn(*args, **kwargs)
             except Exception as e:

@@ -185,32 +185,43 @@ def test_compiled_kernels_launch_with_pdl_and_stay_right():
         sched = SchedulerOutput(slots, np.ones(2, np.int32))
 
 
-def test_size_options_reach_the_compile_of_their_batch_shape_only(monkeypatch):
-    """CompileConfig.size_options: the batch-1 decode compiles under its own inductor
-    options (here max_autotune), the batch-2 one under the global options."""
-    import numpy as np
+def _size_options_runner(monkeypatch, sizes, compile_cfg):
+    """A one-layer tiny runner over `sizes` whose inductor compiles only record
+    ``max_autotune`` (in the returned list) and run their graph as is; captured."""
     import torch._inductor.compile_fx as compile_fx_module
 
-    from graphattn import CompileConfig, GraphRunner, RunnerConfig
+    from graphattn import GraphRunner, RunnerConfig
     from graphattn.buckets import BucketPolicy
     from graphattn.models.tiny import TinyConfig, TinyDecoder
-    from graphattn.state import RequestState, SchedulerOutput
+    from graphattn.state import RequestState
 
     seen = []
 
-    def fake_compile_fx(gm, example_inputs, **kwargs):  # records, then runs the graph as is
+    def fake_compile_fx(gm, example_inputs, **kwargs):
         seen.append(torch._inductor.config.max_autotune)
         return gm.forward
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
     torch._dynamo.reset()
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1))
-    st = RequestState(2, 32, 8)
-    model.allocate_caches(8, 8)
+    st = RequestState(max(sizes), 32, 8)
+    model.allocate_caches(4 * max(sizes), 8)
     runner = GraphRunner(model, st, RunnerConfig(
-        policy=BucketPolicy(capture_sizes=(1, 2), length_boundaries=(32,)),
-        compile=CompileConfig(enabled=True, size_options={1: {"max_autotune": True}})))
+        policy=BucketPolicy(capture_sizes=sizes, length_boundaries=(32,)), compile=compile_cfg))
     runner.capture(progress=False)
+    return runner, model, seen
+
+
+def test_size_options_reach_the_compile_of_their_batch_shape_only(monkeypatch):
+    """CompileConfig.size_options: the batch-1 decode compiles under its own inductor
+    options (here max_autotune), the batch-2 one under the global options."""
+    import numpy as np
+
+    from graphattn import CompileConfig
+    from graphattn.state import SchedulerOutput
+
+    runner, model, seen = _size_options_runner(monkeypatch, (1, 2), CompileConfig(
+        enabled=True, size_options={1: {"max_autotune": True}}))
     # the step twice, one compile with max_autotune; prepare's device half (the assembler)
     # twice, with the global options
     assert runner.compiler.num_compiles == 2 and sorted(seen) == [False, False, False, True]
@@ -271,29 +282,12 @@ def test_size_options_compile_statically_under_dynamic_shapes(monkeypatch):
     """CompileConfig(dynamic=True, size_options={2: ...}): batch 2 compiles on its own with
     its options; batch 1 (specialized by dynamo) and 3 share the global options."""
     import numpy as np
-    import torch._inductor.compile_fx as compile_fx_module
 
-    from graphattn import CompileConfig, GraphRunner, RunnerConfig
-    from graphattn.buckets import BucketPolicy
-    from graphattn.models.tiny import TinyConfig, TinyDecoder
-    from graphattn.state import RequestState, SchedulerOutput
+    from graphattn import CompileConfig
+    from graphattn.state import SchedulerOutput
 
-    seen = []
-
-    def fake_compile_fx(gm, example_inputs, **kwargs):  # records, then runs the graph as is
-        seen.append(torch._inductor.config.max_autotune)
-        return gm.forward
-
-    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
-    torch._dynamo.reset()
-    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1))
-    st = RequestState(3, 32, 8)
-    model.allocate_caches(12, 8)
-    runner = GraphRunner(model, st, RunnerConfig(
-        policy=BucketPolicy(capture_sizes=(1, 2, 3), length_boundaries=(32,)),
-        compile=CompileConfig(enabled=True, dynamic=True,
-                              size_options={2: {"max_autotune": True}})))
-    runner.capture(progress=False)
+    runner, model, seen = _size_options_runner(monkeypatch, (1, 2, 3), CompileConfig(
+        enabled=True, dynamic=True, size_options={2: {"max_autotune": True}}))
     # the step three times, prepare's device half (the assembler) twice: batch 1 and shared
     assert runner.compiler.num_compiles == 3 and sorted(seen) == [False] * 4 + [True]
     a, b = runner.add_request("a", [3, 1, 4]), runner.add_request("b", [2, 7])
