@@ -7,14 +7,15 @@ up to ``--max-reqs`` and mixed keys of ``--mixed`` tokens, one length bucket of
 ``--max-len``; the model is one of `bench.setup.MODELS`, bf16 on CUDA.
 
     python -m bench.warm_start [--model tiny] [--max-reqs 8] [--device cuda] [--cache-dir DIR]
-                               [--dynamic] [--compile-threads N] [--warm-compile-threads N]
-                               [--profile] [--out DIR]
+                               [--dynamic] [--artifacts] [--compile-threads N]
+                               [--warm-compile-threads N] [--profile] [--out DIR]
 
 ``--dynamic`` compiles with `CompileConfig(dynamic=True)` (one compile shared by the batch
-shapes). Results go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_threadsN][_warmN]``
-``.json``; with ``--profile`` each start runs under cProfile and the functions with the most
-cumulative time, with dynamo's compile-phase times, go to the same name ending
-``_profile.txt``.
+shapes); ``--artifacts`` keeps the compiled step functions in the cache folder too
+(`CompileConfig.artifact_dir`), so the warm start loads them instead of tracing. Results go
+to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_threadsN][_warmN].json``; with
+``--profile`` each start runs under cProfile and the functions with the most cumulative time,
+with dynamo's compile-phase times, go to the same name ending ``_profile.txt``.
 """
 
 from __future__ import annotations
@@ -52,16 +53,21 @@ def child(args: argparse.Namespace) -> None:
     st = RequestState(args.max_reqs, args.max_len, BLOCK, args.device)
     model.allocate_caches(args.max_reqs * st.max_num_blocks_per_req, BLOCK)
     policy = startup_policy(args.max_reqs, args.max_len, args.mixed)
+    artifacts = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"], "aot") if args.artifacts else None
     runner = GraphRunner(model, st, RunnerConfig(policy=policy, compile=CompileConfig(
-        enabled=True, compile_threads=args.compile_threads, dynamic=args.dynamic)))
+        enabled=True, compile_threads=args.compile_threads, dynamic=args.dynamic,
+        artifact_dir=artifacts)))
     keys = runner.dispatcher.all_keys()
     t0 = time.perf_counter()
     runner.capture(keys[:1], progress=False)
     t1 = time.perf_counter()
     runner.capture(progress=False)
     t2 = time.perf_counter()
+    compilers = runner.device_step.compilers()
     print(json.dumps({"seconds": t2 - t0, "first_key_s": t1 - t0, "other_keys_s": t2 - t1,
-                      "keys": len(keys), "compiles": runner.compiler.num_compiles}))
+                      "keys": len(keys), "compiles": runner.compiler.num_compiles,
+                      "all_compiles": sum(c.num_compiles for c in compilers),
+                      "loaded": sum(c.num_loaded for c in compilers)}))
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
 
 
@@ -72,6 +78,7 @@ def start(args: argparse.Namespace, threads: int | None, env: dict[str, str],
             str(args.max_len), "--mixed", args.mixed, "--device", args.device]
     opts += ["--compile-threads", str(threads)] if threads else []
     opts += ["--dynamic"] if args.dynamic else []
+    opts += ["--artifacts"] if args.artifacts else []
     cmd = [sys.executable] + (["-m", "cProfile", "-o", str(prof)] if prof else [])
     proc = subprocess.run(cmd + ["-m", "bench.warm_start", *opts], capture_output=True,
                           text=True, env=env)
@@ -101,6 +108,8 @@ def parse() -> argparse.Namespace:
                     help="inductor's cache folder (default: a fresh temporary one)")
     ap.add_argument("--dynamic", action="store_true",
                     help="CompileConfig.dynamic: one compile shared by the batch shapes")
+    ap.add_argument("--artifacts", action="store_true",
+                    help="CompileConfig.artifact_dir: the warm start loads the compiled step")
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="CompileConfig.compile_threads of both starts (default: the runner's)")
     ap.add_argument("--warm-compile-threads", type=int, default=None,
@@ -136,6 +145,7 @@ def main() -> None:
         meta = result_meta("bench.warm_start", argparse.Namespace(
             **{k: v for k, v in vars(args).items() if k not in ("cache_dir", "child")}))
         tag = "_dynamic" if args.dynamic else ""
+        tag += "_aot" if args.artifacts else ""
         tag += f"_threads{args.compile_threads}" if args.compile_threads else ""
         tag += f"_warm{args.warm_compile_threads}" if args.warm_compile_threads else ""
         stem = f"warm_start_{args.device}_{args.model}_{args.max_reqs}{tag}"

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from graphattn.artifacts import ArtifactStore
 from graphattn.backends import AttentionBuilder, BuilderContext
 from graphattn.batch import BatchPlan, InputBatch, assemble_batch, assemble_tensors
 from graphattn.capture.drafter import StepDrafter
@@ -100,9 +101,12 @@ class DeviceStep:
             kw = dict(backend=compile.backend, max_compiles=compile.max_compiles,
                       fullgraph=compile.fullgraph, dynamic=compile.dynamic,
                       options=compile.inductor_options() if inductor else None)
-            self.compiler = BucketCompiler(self._run_compiled, **kw, size_options={
-                n: compile.inductor_options(n) for n in compile.size_options})
-            self.assembler = BucketCompiler(assemble_tensors, **kw)
+            size_options = {n: compile.inductor_options(n) for n in compile.size_options}
+            self.compiler = BucketCompiler(
+                self._run_compiled, **kw, size_options=size_options, static_roots=(self,),
+                artifacts=self._store(compile, "step", kw, size_options))
+            self.assembler = BucketCompiler(assemble_tensors, **kw, static_roots=(state,),
+                                            artifacts=self._store(compile, "assembler", kw))
         self.advanced = False
         dev = state.device
         self.slot_drafts = torch.full((state.max_num_reqs, max(decode_query_len - 1, 1)), -1,
@@ -126,6 +130,25 @@ class DeviceStep:
             _check_proposed(proposer, proposer.propose(self.token_ids, one, one,
                                                        decode_query_len - 1),
                             (1, decode_query_len - 1), dev)
+
+    def _store(self, compile: CompileConfig, name: str,
+               *settings: object) -> ArtifactStore | None:
+        """Where `name`'s compiled functions are kept (None without an artifact_dir); its
+        fingerprint: the compile settings and what the traced code depends on besides its
+        guards (the forward's, builder's, sampler's and proposer's types, the query width,
+        the forward's inputs)."""
+        if compile.artifact_dir is None:
+            return None
+        parts = [type(o).__module__ + "." + type(o).__qualname__ for o in (
+            self.forward, self.builder, self.sampler, self.proposer)]
+        fingerprint = repr((settings, parts, self.decode_query_len, self.static_input_names))
+        return ArtifactStore(compile.artifact_dir, name, fingerprint)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps: a saved compiled step records the objects its guards read,
+        which never include the compilers (compiled code), piecewise forward or profiler."""
+        skip = ("compiler", "assembler", "piecewise", "profiler")
+        return {k: (None if k in skip else v) for k, v in self.__dict__.items()}
 
     def compilers(self) -> list[BucketCompiler]:
         """The compilers of this step (none unless compiled)."""

@@ -9,15 +9,19 @@ has no such restriction.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import io
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx.experimental._config
 
+from graphattn.artifacts import ArtifactStore
 from graphattn.sync import opaque_region
 
-__all__ = ["BucketCompiler", "RecompileError", "dynamic_shape_config", "dynamo_limits"]
+__all__ = ["BucketCompiler", "RecompileError", "dynamic_shape_config", "dynamo_limits",
+           "mark_static_tensors", "static_marks"]
 
 
 class RecompileError(RuntimeError):
@@ -51,6 +55,82 @@ def dynamic_shape_config(specialize_int: bool) -> contextlib.AbstractContextMana
     return stack
 
 
+def mark_static_tensors(*roots: object, depth: int = 4) -> list[torch.Tensor]:
+    """Mark the tensors held by `roots` static for dynamo (`torch._dynamo.mark_static`).
+
+    A dynamic-shape compile gives every dimension of every input a symbol of its own unless
+    marked: the KV caches, the state's buffers and the model's other tensors then add
+    symbols by the hundred (four per cache, two caches a layer) whose guards and index
+    arithmetic dominate tracing. Walks attributes (``__dict__`` and ``__slots__``), lists,
+    tuples and dicts to `depth` levels, and every submodule of an ``nn.Module`` (its
+    parameters are static already).
+
+    Returns
+    -------
+    list of torch.Tensor
+        The tensors marked here (those with no dynamo marks of any kind before).
+    """
+    seen: set[int] = set()
+    todo: list[tuple[object, int]] = [(r, 0) for r in roots]
+    marked = []
+    while todo:
+        obj, level = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if not hasattr(obj, "_has_dynamo_dim_marking"):  # else marked by its owner
+                torch._dynamo.mark_static(obj)
+                marked.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            todo += [(t, level) for m in obj.modules() for t in m._buffers.values()]
+            todo += [(v, level + 1) for m in obj.modules() for k, v in vars(m).items()
+                     if not k.startswith("_")]
+        elif level < depth:
+            todo += [(v, level + 1) for v in _children(obj)]
+    return marked
+
+
+@contextlib.contextmanager
+def static_marks(*roots: object) -> Iterator[None]:
+    """`mark_static_tensors` for the block only: a saved compiled function's guards do not
+    record marks, so the tensors it is called with must carry none."""
+    marked = mark_static_tensors(*roots)
+    try:
+        yield
+    finally:
+        for t in marked:
+            del t._dynamo_static_indices, t._has_dynamo_dim_marking
+
+
+def _children(obj: object) -> list[object]:
+    """What `obj` holds: items, attribute values, a bound method's object, a closure's
+    cells; nothing for scalars, strings, classes and modules."""
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, types.MethodType):
+        return [obj.__self__]
+    if isinstance(obj, types.FunctionType):
+        return [_cell(c) for c in obj.__closure__ or ()]
+    if isinstance(obj, (str, bytes, int, float, type, types.ModuleType)) or obj is None:
+        return []
+    out = list(getattr(obj, "__dict__", {}).values())
+    for cls in type(obj).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        slots = (slots,) if isinstance(slots, str) else slots
+        out += [getattr(obj, n) for n in slots if hasattr(obj, n)]
+    return out
+
+
+def _cell(cell: types.CellType) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
 class BucketCompiler:
     """Compile `fn` once per static shape set (one per GraphKey).
 
@@ -76,11 +156,22 @@ class BucketCompiler:
     size_options : mapping of int to dict, optional
         Inductor options (in full) of the compiles that run inside ``at_size(n)`` for these
         n, in place of `options`.
+    static_roots : sequence of objects
+        With `dynamic`: the tensors these hold (caches, state buffers: whatever keeps its
+        shape from key to key) are marked static while `fn` runs (`static_marks`), so only
+        the per-step tensors and ints get symbols.
+    artifacts : ArtifactStore, optional
+        Compiled functions are saved there after each compile, and those already there are
+        loaded at the first call (under the grad mode of the calls, which guards record): a
+        call runs the first whose guards pass before anything is traced (a bound method is
+        compiled unbound, its object passed as the first argument).
 
     Attributes
     ----------
     num_compiles : int
         Graphs compiled so far.
+    num_loaded : int
+        Compiled functions loaded from `artifacts`.
     """
 
     def __init__(
@@ -92,8 +183,13 @@ class BucketCompiler:
         options: dict[str, Any] | None = None,
         fullgraph: bool = True,
         size_options: Mapping[int, dict[str, Any]] | None = None,
+        static_roots: Sequence[object] = (),
+        artifacts: ArtifactStore | None = None,
     ) -> None:
+        if artifacts is not None and not fullgraph:
+            raise ValueError("BucketCompiler(artifacts=...) needs fullgraph=True")
         self.num_compiles = 0
+        self._static_roots = tuple(static_roots) if dynamic else ()
         self.frozen = False
         self.max_compiles = max_compiles
         self._inner_name = backend
@@ -104,11 +200,20 @@ class BucketCompiler:
             for opts in (self._options, *self._size_options.values()):
                 opts["triton.cudagraphs"] = False
         self.dynamic = dynamic
-        self._compiled = torch.compile(fn, backend=self._backend, dynamic=dynamic,
-                                       fullgraph=fullgraph)
-        # a torch.compile of its own: dynamo keeps each backend's graphs apart
-        self._static = torch.compile(fn, backend=self._backend, dynamic=False,
-                                     fullgraph=fullgraph) if dynamic and size_options else None
+        self._artifacts = artifacts
+        self._loaded: list[tuple[str, Any]] | None = None  # read at the first call
+        self.num_loaded = 0
+        # saved functions take their object as an argument: it is not pickled with them
+        self._bound = fn.__self__ if artifacts is not None and isinstance(
+            fn, types.MethodType) else None
+        target = fn if self._bound is None else fn.__func__
+        aot = {"enable_aot_compile": True} if artifacts is not None else {}
+        with torch._dynamo.config.patch(aot):
+            self._compiled = torch.compile(target, backend=self._backend, dynamic=dynamic,
+                                           fullgraph=fullgraph)
+            # a torch.compile of its own: dynamo keeps each backend's graphs apart
+            self._static = torch.compile(target, backend=self._backend, dynamic=False,
+                                         fullgraph=fullgraph) if dynamic and size_options else None
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.frozen:
@@ -131,8 +236,15 @@ class BucketCompiler:
         # the metadata's ints (row counts) stay symbolic: one compile serves every key
         shapes = dynamic_shape_config(specialize_int=False) if self.dynamic and not static \
             else contextlib.nullcontext()
-        with dynamo_limits(self.max_compiles), opaque_region(), shapes:
+        # marks only while this compiler runs: other compiles of the same tensors (the
+        # piecewise forward) neither see them nor find them changed; a saved function is
+        # marked only while it compiles (its guards, rebuilt from the file, record none)
+        marks = static_marks(*self._static_roots) if self._artifacts is None \
+            else contextlib.nullcontext()
+        with dynamo_limits(self.max_compiles), opaque_region(), shapes, marks:
             try:
+                if self._artifacts is not None:
+                    return self._call_saved(fn, "static" if static else "shared", args, kwargs)
                 return fn(*args, **kwargs)
             except Exception as e:
                 cause = e
@@ -141,6 +253,25 @@ class BucketCompiler:
                 if cause is not None:
                     raise cause from e
                 raise
+
+    def _call_saved(self, fn: Any, tag: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        """Run the first saved or loaded function of `tag` whose guards pass; else compile
+        one ahead of time, save it and run it."""
+        if self._loaded is None:  # under the caller's grad mode, which the guards record
+            self._loaded = list(self._artifacts.load())
+            self.num_loaded = len(self._loaded)
+        full = args if self._bound is None else (self._bound, *args)
+        for have, compiled in self._loaded:
+            if have == tag and compiled.guard_check(*full, **kwargs):
+                return compiled(*full, **kwargs)
+        with static_marks(*self._static_roots):
+            compiled = fn.aot_compile((full, kwargs))
+        # run as a later start will: the saved function, its guards rebuilt from the file
+        saved = self._artifacts.save(tag, compiled)
+        compiled = torch.compiler.load_compiled_function(io.BytesIO(saved))
+        self._loaded.append((tag, compiled))
+        return compiled(*full, **kwargs)
 
     @contextlib.contextmanager
     def at_size(self, num_tokens: int) -> Iterator[None]:

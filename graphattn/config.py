@@ -6,6 +6,7 @@ graphs exist is a `BucketPolicy`; how the device step is compiled is a `CompileC
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -84,6 +85,14 @@ class CompileConfig:
         ``{1: "max-autotune-no-cudagraphs"}`` autotunes the batch-1 decode alone, where
         it may pay, and leaves every other shape's compile time as it is. With `dynamic`,
         these shapes compile statically, apart from the shared code.
+    artifact_dir : str or os.PathLike, optional
+        Folder of compiled step functions (`graphattn.artifacts.ArtifactStore`): each compile
+        is saved there, dynamo's trace and guards with inductor's code, and a later runner
+        with the same settings loads them instead of tracing again (the warm start). A
+        loaded function still checks its guards at each call and is dropped when the code
+        it traced has changed. Needs backend "inductor", `fullgraph` and a torch that saves
+        compiled functions (`graphattn.artifacts.aot_compile_available`); ValueError when
+        built otherwise. Inductor's kernels are cached apart, in ``TORCHINDUCTOR_CACHE_DIR``.
     """
 
     enabled: bool = False
@@ -96,6 +105,7 @@ class CompileConfig:
     compile_threads: int | None = None
     dynamic: bool = False
     size_options: Mapping[int, str | Mapping[str, Any]] = field(default_factory=dict)
+    artifact_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         _check_bool("CompileConfig.enabled", self.enabled)
@@ -120,6 +130,24 @@ class CompileConfig:
         if self.compile_threads is not None:
             as_index("CompileConfig.compile_threads", self.compile_threads, 1)
         self._check_size_options()
+        self._check_artifact_dir()
+
+    def _check_artifact_dir(self) -> None:
+        if self.artifact_dir is None:
+            return
+        if not isinstance(self.artifact_dir, str | os.PathLike):
+            raise ValueError(f"CompileConfig.artifact_dir must be a folder path, got "
+                             f"{type(self.artifact_dir).__name__}")
+        if self.backend != "inductor" or not self.fullgraph:
+            raise ValueError(f"CompileConfig.artifact_dir needs backend 'inductor' and "
+                             f"fullgraph=True, got backend {self.backend!r}, fullgraph "
+                             f"{self.fullgraph}")
+        from graphattn.artifacts import aot_compile_available
+
+        if not aot_compile_available():
+            raise ValueError(f"CompileConfig.artifact_dir needs torch's saved compiled "
+                             f"functions (torch.compiler.load_compiled_function), which "
+                             f"torch {torch.__version__} lacks")
 
     def _check_size_options(self) -> None:
         if not isinstance(self.size_options, Mapping):

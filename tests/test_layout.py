@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # lower layers first; a module may import only its own layer and those below
 LAYERS = [
     {"graphattn.sync", "graphattn.transfer", "graphattn.keys", "graphattn.buckets",
-     "graphattn.checks", "graphattn.config", "graphattn.block_holders", "graphattn.blocks"},
+     "graphattn.checks", "graphattn.config", "graphattn.block_holders", "graphattn.blocks",
+     "graphattn.artifacts"},
     {"graphattn.state", "graphattn.batch", "graphattn.metadata", "graphattn.ubatch",
      "graphattn.spec_decode", "graphattn.compile", "graphattn.sampling", "graphattn.proposer",
      "graphattn.cascade"},

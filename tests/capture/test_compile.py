@@ -296,3 +296,32 @@ def test_size_options_compile_statically_under_dynamic_shapes(monkeypatch):
     assert out.replayed and runner.compiler.num_compiles == 3
     ref = model.reference_logits(torch.tensor([3, 1, 4, int(runner.token_ids[a, 3])]))[-1]
     torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_static_marks_cover_held_tensors_for_the_block_only():
+    """static_marks: every tensor reachable from the roots (module attributes, lists of
+    tuples, slots, closures, bound methods) is static inside the block and unmarked after;
+    parameters are left as dynamo treats them, tensors their owner marked keep the marks."""
+    from graphattn.compile import static_marks
+
+    class Slotted:
+        __slots__ = ("t",)
+
+        def __init__(self, t):
+            self.t = t
+
+    model = torch.nn.Linear(2, 2)
+    model.caches = [(torch.zeros(3), torch.zeros(4))]
+    held, in_closure, owned = torch.zeros(5), torch.zeros(6), torch.zeros(7)
+    torch._dynamo.mark_dynamic(owned, 0)
+
+    def closure():
+        return in_closure
+
+    roots = (model.forward, Slotted(held), closure, {"owned": owned})
+    tensors = [*model.caches[0], held, in_closure]
+    with static_marks(*roots):
+        assert all(t._dynamo_static_indices == {0} for t in tensors)
+        assert not hasattr(owned, "_dynamo_static_indices")
+    assert not any(hasattr(t, "_has_dynamo_dim_marking") for t in tensors)
+    assert owned._dynamo_dynamic_indices == {0}
