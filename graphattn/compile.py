@@ -79,7 +79,7 @@ def mark_static_tensors(*roots: object, depth: int = 4) -> list[torch.Tensor]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if not hasattr(obj, "_has_dynamo_dim_marking"):  # else marked by its owner
+            if not any("dynamo" in k for k in obj.__dict__):  # else marked by its owner
                 torch._dynamo.mark_static(obj)
                 marked.append(obj)
         elif isinstance(obj, torch.nn.Module):
@@ -99,8 +99,9 @@ def static_marks(*roots: object) -> Iterator[None]:
     try:
         yield
     finally:
-        for t in marked:
-            del t._dynamo_static_indices, t._has_dynamo_dim_marking
+        for t in marked:  # the attributes mark_static set (they differ between torch versions)
+            for k in [k for k in t.__dict__ if "dynamo" in k]:
+                delattr(t, k)
 
 
 def _children(obj: object) -> list[object]:
@@ -129,6 +130,22 @@ def _cell(cell: types.CellType) -> object:
         return cell.cell_contents
     except ValueError:  # an empty cell
         return None
+
+
+class _Inductor(torch._TorchCompileInductorWrapper):
+    """Inductor as torch.compile's own backend object (whose output dynamo knows how to
+    save), with the owner's options of the current size, counting compiles and refusing
+    them once frozen."""
+
+    def __init__(self, owner: BucketCompiler) -> None:
+        super().__init__(None, None, False)
+        self.owner = owner
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                 **kwargs: Any) -> Any:
+        self.owner._count()
+        with self.owner._inductor_options():
+            return super().__call__(gm, example_inputs, **kwargs)
 
 
 class BucketCompiler:
@@ -186,8 +203,9 @@ class BucketCompiler:
         static_roots: Sequence[object] = (),
         artifacts: ArtifactStore | None = None,
     ) -> None:
-        if artifacts is not None and not fullgraph:
-            raise ValueError("BucketCompiler(artifacts=...) needs fullgraph=True")
+        if artifacts is not None and (not fullgraph or backend != "inductor"):
+            raise ValueError(f"BucketCompiler(artifacts=...) needs fullgraph=True and backend "
+                             f"'inductor', got fullgraph={fullgraph}, backend={backend!r}")
         self.num_compiles = 0
         self._static_roots = tuple(static_roots) if dynamic else ()
         self.frozen = False
@@ -209,26 +227,38 @@ class BucketCompiler:
         target = fn if self._bound is None else fn.__func__
         aot = {"enable_aot_compile": True} if artifacts is not None else {}
         with torch._dynamo.config.patch(aot):
-            self._compiled = torch.compile(target, backend=self._backend, dynamic=dynamic,
-                                           fullgraph=fullgraph)
-            # a torch.compile of its own: dynamo keeps each backend's graphs apart
-            self._static = torch.compile(target, backend=self._backend, dynamic=False,
-                                         fullgraph=fullgraph) if dynamic and size_options else None
+            self._compiled = self._compile(target, dynamic, fullgraph)
+            # a compile of its own: dynamo keeps each backend's graphs apart
+            self._static = self._compile(target, False, fullgraph) \
+                if dynamic and size_options else None
+
+    def _compile(self, fn: Callable[..., Any], dynamic: bool, fullgraph: bool) -> Any:
+        if self._artifacts is None:
+            return torch.compile(fn, backend=self._backend, dynamic=dynamic, fullgraph=fullgraph)
+        # what torch.compile(backend="inductor") does, with inductor's own backend object
+        # innermost: dynamo saves only the code of backends it knows
+        return torch._dynamo.optimize(backend=_Inductor(self), nopython=fullgraph,
+                                      dynamic=dynamic)(fn)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self._count()
+        if self._inner_name == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            with self._inductor_options():
+                return compile_fx(gm, example_inputs)
+        return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
+
+    def _inductor_options(self) -> contextlib.AbstractContextManager[None]:
+        return torch._inductor.config.patch(self._size_options.get(self._size, self._options))
+
+    def _count(self) -> None:
         if self.frozen:
             raise RecompileError(
                 f"steady-state recompile after {self.num_compiles} compiles: an input shape or "
                 "guarded value changed outside the captured keys"
             )
         self.num_compiles += 1
-        if self._inner_name == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            with torch._inductor.config.patch(self._size_options.get(self._size,
-                                                                     self._options)):
-                return compile_fx(gm, example_inputs)
-        return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         static = self._static is not None and self._size in self._size_options
