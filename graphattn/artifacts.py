@@ -56,6 +56,12 @@ class ArtifactStore:
     fingerprint : str
         Everything besides guards that decides the compiled code (backend options, the
         types whose methods are traced); hashed with torch's version into the folder name.
+
+    Attributes
+    ----------
+    folder : pathlib.Path
+    num_saved : int
+        Functions this store wrote.
     """
 
     def __init__(self, root: str | os.PathLike[str], name: str, fingerprint: str) -> None:
@@ -66,9 +72,7 @@ class ArtifactStore:
     def load(self) -> Iterator[tuple[str, Callable[..., Any]]]:
         """Each saved function with its tag, oldest first; unreadable or stale files are
         skipped with a warning."""
-        if not self.folder.is_dir():
-            return
-        for path in sorted(self.folder.glob("*.pt2"), key=lambda p: int(p.stem.split("-")[1])):
+        for _, path in sorted(self._files()):
             try:
                 with open(path, "rb") as f:
                     fn = torch.compiler.load_compiled_function(f)
@@ -79,13 +83,20 @@ class ArtifactStore:
             if not _sources_unchanged(fn):
                 log.warning("compiled function %s not loaded: the code it traced changed", path)
                 continue
-            yield path.stem.split("-")[0], fn
+            yield path.stem.rpartition("-")[0], fn
+
+    def _files(self) -> list[tuple[int, Path]]:
+        """The folder's ``<tag>-<index>.pt2`` files with their index (other files ignored)."""
+        if not self.folder.is_dir():
+            return []
+        found = [(p.stem.rpartition("-")[2], p) for p in self.folder.glob("*-*.pt2")]
+        return [(int(i), p) for i, p in found if i.isdigit()]
 
     def save(self, tag: str, fn: Any) -> bytes:
         """Write `fn` (an AOT-compiled function) as the next file of the folder; its bytes."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        taken = [int(p.stem.split("-")[1]) for p in self.folder.glob("*.pt2")]
-        path = self.folder / f"{tag}-{max(taken, default=-1) + 1}.pt2"
+        index = max((i for i, _ in self._files()), default=-1) + 1
+        path = self.folder / f"{tag}-{index}.pt2"
         data = fn.save_compiled_function(str(path)).serialized_data
         self.num_saved += 1
         log.info("saved compiled function %s", path)

@@ -91,6 +91,10 @@ def test_store_folder_depends_on_the_fingerprint(tmp_path):
     assert a.folder != b.folder and a.folder.parent == tmp_path
     assert a.folder == ArtifactStore(tmp_path, "step", "x").folder
     assert list(a.load()) == []
+    a.folder.mkdir()
+    (a.folder / "notes.pt2").write_text("not a saved function")
+    (a.folder / "shared-0.pt2").write_bytes(b"truncated")
+    assert list(a.load()) == []  # the stray file ignored, the unreadable one skipped
 
 
 @pytest.mark.parametrize("kw, match", [
