@@ -134,14 +134,15 @@ class DeviceStep:
     def _store(self, compile: CompileConfig, name: str,
                *settings: object) -> ArtifactStore | None:
         """Where `name`'s compiled functions are kept (None without an artifact_dir); its
-        fingerprint: the compile settings and what the traced code depends on besides its
-        guards (the forward's, builder's, sampler's and proposer's types, the query width,
-        the forward's inputs)."""
+        fingerprint: the compile settings but the number of compile workers, and what the
+        traced code depends on besides its guards (the forward's, builder's, sampler's and
+        proposer's types, the query width, the forward's inputs)."""
         if compile.artifact_dir is None:
             return None
         parts = [type(o).__module__ + "." + type(o).__qualname__ for o in (
             self.forward, self.builder, self.sampler, self.proposer)]
-        fingerprint = repr((settings, parts, self.decode_query_len, self.static_input_names))
+        fingerprint = repr((_code_settings(settings), parts, self.decode_query_len,
+                            self.static_input_names))
         return ArtifactStore(compile.artifact_dir, name, fingerprint)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -343,6 +344,15 @@ class DeviceStep:
         if self.sampler is None:  # greedy, no log-probabilities
             return greedy_tokens(logits), None
         return self.sampler.sample(logits, slots, positions)
+
+
+def _code_settings(obj: Any) -> Any:
+    """`obj` without inductor's ``compile_threads`` (how many workers compile, not what)."""
+    if isinstance(obj, dict):
+        return {k: _code_settings(v) for k, v in obj.items() if k != "compile_threads"}
+    if isinstance(obj, tuple):
+        return tuple(_code_settings(v) for v in obj)
+    return obj
 
 
 def _check_vocab(drafter: StepDrafter, vocab_size: int | None) -> None:

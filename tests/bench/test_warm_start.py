@@ -6,22 +6,30 @@ import sys
 import pytest
 
 from bench import warm_start
+from graphattn.artifacts import aot_compile_available
 
 
 @pytest.mark.slow
-def test_cold_and_warm_start_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("artifacts", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not aot_compile_available(), reason="this torch does not save compiled functions"))])
+def test_cold_and_warm_start_rows(tmp_path, monkeypatch, artifacts):
+    """Both starts' rows; with --artifacts the warm start compiles nothing: it loads the
+    step and prepare's device half the cold start saved."""
     monkeypatch.setattr(sys, "argv", [
         "warm_start", "--model", "tiny", "--max-reqs", "2", "--max-len", "64", "--mixed", "",
         "--dynamic", "--warm-compile-threads", "1", "--cache-dir", str(tmp_path / "cache"),
-        "--out", str(tmp_path)])
+        "--out", str(tmp_path)] + ["--artifacts"] * artifacts)
     warm_start.main()
-    result = json.loads((tmp_path / "warm_start_cpu_tiny_2_dynamic_warm1.json").read_text())
+    name = f"warm_start_cpu_tiny_2_dynamic{'_aot' * artifacts}_warm1.json"
+    result = json.loads((tmp_path / name).read_text())
     cold, warm = result["rows"]
     assert (cold["start"], warm["start"]) == ("cold", "warm")
     assert (cold["compile_threads"], warm["compile_threads"]) == (None, 1)
+    # keys of 1 and 2 rows: the step compiles twice (dynamo specializes size 1)
+    assert cold["keys"] == warm["keys"] == 2 and cold["compiles"] == 2
+    assert warm["compiles"] == (0 if artifacts else 2)
+    assert warm["loaded"] == (cold["all_compiles"] if artifacts else 0)
     for row in (cold, warm):
-        # keys of 1 and 2 rows: the step compiles twice (dynamo specializes size 1)
-        assert row["keys"] == 2 and row["compiles"] == 2
         assert row["seconds"] == pytest.approx(row["first_key_s"] + row["other_keys_s"])
     assert "--dynamic" in result["meta"]["command"]
     assert any((tmp_path / "cache").iterdir())  # the compile cache the warm start read
