@@ -60,14 +60,11 @@ class ArtifactStore:
     Attributes
     ----------
     folder : pathlib.Path
-    num_saved : int
-        Functions this store wrote.
     """
 
     def __init__(self, root: str | os.PathLike[str], name: str, fingerprint: str) -> None:
         digest = hashlib.sha256(f"{torch.__version__}|{fingerprint}".encode()).hexdigest()
         self.folder = Path(root, f"{name}-{digest[:16]}")
-        self.num_saved = 0
 
     def load(self) -> Iterator[tuple[str, Callable[..., Any]]]:
         """Each saved function with its tag, oldest first; unreadable or stale files are
@@ -98,6 +95,5 @@ class ArtifactStore:
         index = max((i for i, _ in self._files()), default=-1) + 1
         path = self.folder / f"{tag}-{index}.pt2"
         data = fn.save_compiled_function(str(path)).serialized_data
-        self.num_saved += 1
         log.info("saved compiled function %s", path)
         return data

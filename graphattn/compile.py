@@ -83,9 +83,9 @@ def mark_static_tensors(*roots: object, depth: int = 4) -> list[torch.Tensor]:
                 torch._dynamo.mark_static(obj)
                 marked.append(obj)
         elif isinstance(obj, torch.nn.Module):
-            todo += [(t, level) for m in obj.modules() for t in m._buffers.values()]
-            todo += [(v, level + 1) for m in obj.modules() for k, v in vars(m).items()
-                     if not k.startswith("_")]
+            for m in obj.modules():
+                todo += [(t, level) for t in m._buffers.values()]
+                todo += [(v, level + 1) for k, v in vars(m).items() if not k.startswith("_")]
         elif level < depth:
             todo += [(v, level + 1) for v in _children(obj)]
     return marked
