@@ -11,6 +11,8 @@ Modes: `graphattn_graphs` (Triton kernels, eager model, our graphs),
 programmatic dependent launch),
 `graphattn_compiled_dynamic` (`graphattn_compiled_pdl` with `CompileConfig(dynamic=True)`:
 the batch shapes share one compile),
+`graphattn_compiled_blocks` (`graphattn_compiled_dynamic` with `CompileConfig(regions=
+"blocks")`: the layers share one compile, the rest of the step runs uncompiled in the graph),
 `graphattn_gemv` (`graphattn_compiled_pdl` with the projections of up to 16 rows through
 the Triton GEMV, `graphattn.backends.linear.swap_linears`),
 `graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
@@ -60,8 +62,8 @@ from graphattn.state import SchedulerOutput
 
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
-                "graphattn_compiled_dynamic", "graphattn_gemv", "graphattn_fp8kv", "hf_graphs",
-                "hf_compiled_pdl")
+                "graphattn_compiled_dynamic", "graphattn_compiled_blocks", "graphattn_gemv",
+                "graphattn_fp8kv", "hf_graphs", "hf_compiled_pdl")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -271,7 +273,8 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 
 GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
-          ("graphattn_compiled_dynamic",), ("graphattn_gemv",), ("graphattn_fp8kv",),
+          ("graphattn_compiled_dynamic",), ("graphattn_compiled_blocks",), ("graphattn_gemv",),
+          ("graphattn_fp8kv",),
           ("hf_graphs",), ("hf_compiled_pdl",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
@@ -309,8 +312,10 @@ def _mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
         setup.model.caches = []
         forward.allocate_caches(k0.shape[0] - 1, k0.shape[1])
     compile_cfg = CompileConfig(enabled=mode != "hf_graphs", pdl=mode in (
-        "graphattn_compiled_pdl", "graphattn_compiled_dynamic", "graphattn_gemv",
-        "hf_compiled_pdl"), dynamic=mode == "graphattn_compiled_dynamic")
+        "graphattn_compiled_pdl", "graphattn_compiled_dynamic", "graphattn_compiled_blocks",
+        "graphattn_gemv", "hf_compiled_pdl"),
+        dynamic=mode in ("graphattn_compiled_dynamic", "graphattn_compiled_blocks"),
+        regions="blocks" if mode == "graphattn_compiled_blocks" else "step")
     return GraphRunner(forward, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))
 
 

@@ -7,15 +7,18 @@ up to ``--max-reqs`` and mixed keys of ``--mixed`` tokens, one length bucket of
 ``--max-len``; the model is one of `bench.setup.MODELS`, bf16 on CUDA.
 
     python -m bench.warm_start [--model tiny] [--max-reqs 8] [--device cuda] [--cache-dir DIR]
-                               [--dynamic] [--artifacts] [--compile-threads N]
-                               [--warm-compile-threads N] [--profile] [--out DIR]
+                               [--dynamic] [--artifacts] [--regions blocks]
+                               [--compile-threads N] [--warm-compile-threads N]
+                               [--profile] [--out DIR]
 
 ``--dynamic`` compiles with `CompileConfig(dynamic=True)` (one compile shared by the batch
 shapes); ``--artifacts`` keeps the compiled step functions in the cache folder too
-(`CompileConfig.artifact_dir`), so the warm start loads them instead of tracing. Results go
-to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_threadsN][_warmN].json``; with
-``--profile`` each start runs under cProfile and the functions with the most cumulative time,
-with dynamo's compile-phase times, go to the same name ending ``_profile.txt``.
+(`CompileConfig.artifact_dir`), so the warm start loads them instead of tracing;
+``--regions blocks`` compiles the decoder layers once, shared (`CompileConfig.regions`). Results
+go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_blocks][_threadsN][_warmN]
+.json``; with ``--profile`` each start runs under cProfile and the functions with the most
+cumulative time, with dynamo's compile-phase times, go to the same name ending
+``_profile.txt``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def child(args: argparse.Namespace) -> None:
     artifacts = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"], "aot") if args.artifacts else None
     runner = GraphRunner(model, st, RunnerConfig(policy=policy, compile=CompileConfig(
         enabled=True, compile_threads=args.compile_threads, dynamic=args.dynamic,
-        artifact_dir=artifacts)))
+        artifact_dir=artifacts, regions=args.regions)))
     keys = runner.dispatcher.all_keys()
     t0 = time.perf_counter()
     runner.capture(keys[:1], progress=False)
@@ -79,6 +82,7 @@ def start(args: argparse.Namespace, threads: int | None, env: dict[str, str],
     opts += ["--compile-threads", str(threads)] if threads else []
     opts += ["--dynamic"] if args.dynamic else []
     opts += ["--artifacts"] if args.artifacts else []
+    opts += ["--regions", args.regions]
     cmd = [sys.executable] + (["-m", "cProfile", "-o", str(prof)] if prof else [])
     proc = subprocess.run(cmd + ["-m", "bench.warm_start", *opts], capture_output=True,
                           text=True, env=env)
@@ -110,6 +114,8 @@ def parse() -> argparse.Namespace:
                     help="CompileConfig.dynamic: one compile shared by the batch shapes")
     ap.add_argument("--artifacts", action="store_true",
                     help="CompileConfig.artifact_dir: the warm start loads the compiled step")
+    ap.add_argument("--regions", default="step", choices=("step", "blocks"),
+                    help="CompileConfig.regions: the whole step, or the repeated blocks")
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="CompileConfig.compile_threads of both starts (default: the runner's)")
     ap.add_argument("--warm-compile-threads", type=int, default=None,
@@ -146,6 +152,7 @@ def main() -> None:
             **{k: v for k, v in vars(args).items() if k not in ("cache_dir", "child")}))
         tag = "_dynamic" if args.dynamic else ""
         tag += "_aot" if args.artifacts else ""
+        tag += "_blocks" if args.regions == "blocks" else ""
         tag += f"_threads{args.compile_threads}" if args.compile_threads else ""
         tag += f"_warm{args.warm_compile_threads}" if args.warm_compile_threads else ""
         stem = f"warm_start_{args.device}_{args.model}_{args.max_reqs}{tag}"

@@ -7,7 +7,9 @@ that `graphattn.capture.graphs` captures per key, or inductor compiles per batch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from graphattn.capture.model_contract import same_device
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import is_integer_tensor
-from graphattn.compile import BucketCompiler
+from graphattn.compile import BucketCompiler, repeated_blocks, static_marks
 from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
@@ -96,15 +98,21 @@ class DeviceStep:
         self.vocab_size, self.sampler, self.proposer = vocab_size, sampler, proposer
         self.piecewise, self.profiler = piecewise, profiler
         self.compiler = self.assembler = None
+        self.blocks: list[torch.nn.Module] = []
         if compile.enabled:
             inductor = compile.backend == "inductor"
             kw = dict(backend=compile.backend, max_compiles=compile.max_compiles,
                       fullgraph=compile.fullgraph, dynamic=compile.dynamic,
                       options=compile.inductor_options() if inductor else None)
             size_options = {n: compile.inductor_options(n) for n in compile.size_options}
-            self.compiler = BucketCompiler(
-                self._run_compiled, **kw, size_options=size_options, static_roots=(self,),
-                artifacts=self._store(compile, "step", kw, size_options))
+            if compile.regions == "blocks":  # one compile shared by the blocks, called unbound
+                self.blocks = repeated_blocks(forward)
+                self.compiler = BucketCompiler(type(self.blocks[0]).forward, **kw,
+                                               size_options=size_options)
+            else:
+                self.compiler = BucketCompiler(
+                    self._run_compiled, **kw, size_options=size_options, static_roots=(self,),
+                    artifacts=self._store(compile, "step", kw, size_options))
             self.assembler = BucketCompiler(assemble_tensors, **kw, static_roots=(state,),
                                             artifacts=self._store(compile, "assembler", kw))
         self.advanced = False
@@ -190,9 +198,26 @@ class DeviceStep:
         if compiled:  # compiled code may advance the truth at any point of its run
             self.advanced = True
             with self.compiler.at_size(key.num_tokens_padded):
+                if self.blocks:
+                    with self._compiled_blocks():
+                        return self._run_compiled(batch, meta, spec, single, draft)
                 return self.compiler(batch, meta, spec, single, draft)
         return self._run(batch, meta, spec, single, self.piecewise if piecewise else self.forward,
                          draft)
+
+    @contextlib.contextmanager
+    def _compiled_blocks(self) -> Iterator[None]:
+        """Block in which each of `blocks` runs its forward through the shared compiler
+        (with dynamic shapes, the tensors this step holds marked static once for all of
+        them); outside it the model is as it was given."""
+        for b in self.blocks:
+            b.forward = functools.partial(self.compiler, b)
+        try:
+            with static_marks(self) if self.compiler.dynamic else contextlib.nullcontext():
+                yield
+        finally:
+            for b in self.blocks:
+                del b.forward
 
     def _run_compiled(self, batch: InputBatch, meta: Any, spec: bool,
                       single: bool, draft: Any) -> StepTensors:

@@ -21,7 +21,7 @@ from graphattn.artifacts import ArtifactStore
 from graphattn.sync import opaque_region
 
 __all__ = ["BucketCompiler", "RecompileError", "dynamic_shape_config", "dynamo_limits",
-           "mark_static_tensors", "static_marks"]
+           "mark_static_tensors", "repeated_blocks", "static_marks"]
 
 
 class RecompileError(RuntimeError):
@@ -104,6 +104,42 @@ def static_marks(*roots: object) -> Iterator[None]:
                 delattr(t, k)
 
 
+def repeated_blocks(forward: object) -> list[torch.nn.Module]:
+    """The blocks a regional compile covers (`CompileConfig.regions` "blocks").
+
+    `forward`'s own ``repeated_blocks`` (a sequence of modules of one class) where it has
+    one; else, in `forward` (an ``nn.Module``) or the modules it holds as attributes, the
+    ``nn.ModuleList`` of two or more children of one class with the most parameters: a
+    decoder's layers.
+
+    Raises
+    ------
+    ValueError
+        None found, or the given blocks are not modules of one class.
+    """
+    blocks = getattr(forward, "repeated_blocks", None)
+    if blocks is None:
+        roots = [forward] if isinstance(forward, torch.nn.Module) else [
+            v for v in vars(forward).values() if isinstance(v, torch.nn.Module)]
+        lists = [m for r in roots for m in r.modules() if isinstance(m, torch.nn.ModuleList)
+                 and len(m) > 1 and len({type(b) for b in m}) == 1]
+        if not lists:
+            raise ValueError(f"CompileConfig(regions='blocks'): {type(forward).__name__} has no "
+                             f"ModuleList of two or more blocks of one class and no "
+                             f"repeated_blocks attribute")
+        blocks = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    blocks = list(blocks)
+    if not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks) \
+            or len({type(b) for b in blocks}) != 1:
+        raise ValueError(f"{type(forward).__name__}.repeated_blocks must be modules of one "
+                         f"class, got {sorted({type(b).__name__ for b in blocks})}")
+    patched = [type(b).__name__ for b in blocks if "forward" in vars(b)]
+    if patched:
+        raise ValueError(f"CompileConfig(regions='blocks') compiles the class's forward, but a "
+                         f"{patched[0]} block has a forward of its own (an instance attribute)")
+    return blocks
+
+
 def _children(obj: object) -> list[object]:
     """What `obj` holds: items, attribute values, a bound method's object, a closure's
     cells; nothing for scalars, strings, classes and modules."""
@@ -140,6 +176,11 @@ class _Inductor(torch._TorchCompileInductorWrapper):
     def __init__(self, owner: BucketCompiler) -> None:
         super().__init__(None, None, False)
         self.owner = owner
+
+    # inductor's wrapper compares equal by options, which would let dynamo share cache
+    # entries between the static and the shared compile of one function
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
                  **kwargs: Any) -> Any:
@@ -233,20 +274,14 @@ class BucketCompiler:
                 if dynamic and size_options else None
 
     def _compile(self, fn: Callable[..., Any], dynamic: bool, fullgraph: bool) -> Any:
-        if self._artifacts is None:
-            return torch.compile(fn, backend=self._backend, dynamic=dynamic, fullgraph=fullgraph)
-        # what torch.compile(backend="inductor") does, with inductor's own backend object
-        # innermost: dynamo saves only the code of backends it knows
-        return torch._dynamo.optimize(backend=_Inductor(self), nopython=fullgraph,
-                                      dynamic=dynamic)(fn)
+        # what torch.compile does, with the backend object innermost: dynamo saves only the
+        # code of inductor's own backend object (torch.compile would wrap ours)
+        backend = _Inductor(self) if self._inner_name == "inductor" else self._counted
+        return torch._dynamo.optimize(backend=backend, nopython=fullgraph, dynamic=dynamic)(fn)
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """A backend other than inductor ("eager", "aot_eager"), compiles counted."""
         self._count()
-        if self._inner_name == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            with self._inductor_options():
-                return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend(self._inner_name)(gm, example_inputs)
 
     def _inductor_options(self) -> contextlib.AbstractContextManager[None]:

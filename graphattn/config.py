@@ -24,6 +24,7 @@ __all__ = ["INPUT_NAMES", "CompileConfig", "RunnerConfig"]
 # that reads "logits_indices" returns logits at those token rows only
 INPUT_NAMES = ("input_ids", "positions", "req_slots", "logits_indices")
 ON_MISSING = ("eager", "error")
+REGIONS = ("step", "blocks")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -93,6 +94,15 @@ class CompileConfig:
         it traced has changed. Needs backend "inductor", `fullgraph` and a torch that saves
         compiled functions (`graphattn.artifacts.aot_compile_available`); ValueError when
         built otherwise. Inductor's kernels are cached apart, in ``TORCHINDUCTOR_CACHE_DIR``.
+    regions : str
+        What one compile covers. "step": the whole device step, one graph (the default;
+        fusions across the step). "blocks": the forward's repeated blocks
+        (`graphattn.compile.repeated_blocks`: its decoder layers), one compile shared by
+        every block (dynamo inlines a block's parameters as inputs), while the rest of the
+        step (embedding, head, sampling, metadata) runs uncompiled; the captured graph
+        holds it all either way, so a replay pays no Python, and compile time no longer
+        grows with the number of layers: the cold-start path for deep models. Not with
+        `artifact_dir` (ValueError).
     """
 
     enabled: bool = False
@@ -106,6 +116,7 @@ class CompileConfig:
     dynamic: bool = False
     size_options: Mapping[int, str | Mapping[str, Any]] = field(default_factory=dict)
     artifact_dir: str | os.PathLike[str] | None = None
+    regions: str = "step"
 
     def __post_init__(self) -> None:
         _check_bool("CompileConfig.enabled", self.enabled)
@@ -131,6 +142,12 @@ class CompileConfig:
             as_index("CompileConfig.compile_threads", self.compile_threads, 1)
         self._check_size_options()
         self._check_artifact_dir()
+        if self.regions not in REGIONS:
+            raise ValueError(f"CompileConfig.regions must be one of {REGIONS}, got "
+                             f"{self.regions!r}")
+        if self.regions != "step" and self.artifact_dir is not None:
+            raise ValueError(f"CompileConfig.artifact_dir saves whole compiled steps: it needs "
+                             f"regions 'step', got {self.regions!r}")
 
     def _check_artifact_dir(self) -> None:
         if self.artifact_dir is None:

@@ -163,7 +163,8 @@ def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          kwargs.get("indices"))
         return out.unsqueeze(0), None
     q = query[0].transpose(0, 1)
-    if id(module) in getattr(ctx, "cross_layer_of", ()):  # an encoder-decoder's cross layer
+    cross = getattr(ctx, "cross_layer_of", ())  # no id() of a decoder-only model's layers:
+    if cross and id(module) in cross:  # dynamo would guard on it (one compile per layer)
         out = ctx.cross_attention(module, q, scaling, kwargs["graphattn_cross_metadata"])
         return out.unsqueeze(0), None
     k = key[0].transpose(0, 1)

@@ -232,11 +232,14 @@ def test_size_options_reach_the_compile_of_their_batch_shape_only(monkeypatch):
     torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("regions", ["step", "blocks"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device):
+def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device, regions):
     """CompileConfig(dynamic=True): the decode keys of 2, 3 and 4 rows replay graphs captured
     from one compiled step (batch 1 compiles apart: dynamo specializes size 1), every row
-    gives the reference logits with no host read, and steady steps never recompile."""
+    gives the reference logits with no host read, and steady steps never recompile. With
+    regions "blocks" the three layers share those compiles, and the model's layers keep
+    their own forward outside the runner's compiled steps."""
     import numpy as np
 
     from graphattn import CompileConfig, GraphRunner, RunnerConfig
@@ -247,14 +250,15 @@ def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1)).to(device)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=3)).to(device)
     st = RequestState(4, 32, 8, device)
     model.allocate_caches(16, 8)
     runner = GraphRunner(model, st, RunnerConfig(
         policy=BucketPolicy(capture_sizes=(1, 2, 3, 4), length_boundaries=(32,)),
-        compile=CompileConfig(enabled=True, dynamic=True)))
+        compile=CompileConfig(enabled=True, dynamic=True, regions=regions)))
     assert runner.capture(progress=False).num_graphs == 4
     assert runner.compiler.num_compiles == 2  # batch 1, and 2-4 from one compile
+    assert not any("forward" in vars(layer) for layer in model.layers)
     rng = np.random.default_rng(0)
     seq = {}
     for name in "abcd":
@@ -325,3 +329,47 @@ def test_static_marks_cover_held_tensors_for_the_block_only():
         assert not hasattr(owned, "_dynamo_static_indices")
     assert not any(hasattr(t, "_has_dynamo_dim_marking") for t in tensors)
     assert owned._dynamo_dynamic_indices == {0}
+
+
+def test_repeated_blocks_finds_the_layers_or_refuses_naming_why():
+    """repeated_blocks: a forward's own `repeated_blocks`, else its (or its modules') largest
+    ModuleList of one class; a model without one, blocks of mixed classes or a block whose
+    forward is patched on the instance are refused when the runner is built."""
+    from graphattn import CompileConfig, GraphRunner, RunnerConfig
+    from graphattn.buckets import BucketPolicy
+    from graphattn.compile import repeated_blocks
+    from graphattn.models.tiny import TinyConfig, TinyDecoder
+    from graphattn.state import RequestState
+
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2))
+    assert repeated_blocks(model) == list(model.layers)
+
+    class Holder:  # a wrapper holding the model, as HFCausalLM does
+        def __init__(self, m):
+            self.model = m
+
+    assert repeated_blocks(Holder(model)) == list(model.layers)
+    with pytest.raises(ValueError, match="Linear has no ModuleList of two or more blocks"):
+        repeated_blocks(torch.nn.Linear(2, 2))
+    model.repeated_blocks = [model.layers[0], model.norm]
+    with pytest.raises(ValueError, match=r"must be modules of one class, got \['RMSNorm', "):
+        repeated_blocks(model)
+    del model.repeated_blocks
+    model.layers[1].forward = model.layers[1].forward
+    st = RequestState(2, 32, 8)
+    model.allocate_caches(8, 8)
+    with pytest.raises(ValueError, match="_Layer block has a forward of its own"):
+        GraphRunner(model, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(1,)),
+                                            compile=CompileConfig(enabled=True,
+                                                                  regions="blocks")))
+
+
+def test_regions_are_validated():
+    from graphattn import CompileConfig
+
+    with pytest.raises(ValueError, match=r"regions must be one of \('step', 'blocks'\), got "
+                                         r"'layers'"):
+        CompileConfig(enabled=True, regions="layers")
+    with pytest.raises(ValueError, match="artifact_dir saves whole compiled steps: it needs "
+                                         "regions 'step', got 'blocks'"):
+        CompileConfig(enabled=True, regions="blocks", artifact_dir="/tmp/x")
