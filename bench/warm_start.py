@@ -1,6 +1,10 @@
-"""Cold vs warm start: capture (compile included) of a compiled runner, in two fresh processes
+"""Cold vs warm start: capture (compile included) of a compiled runner, in fresh processes
 sharing one compile-cache folder (torch's inductor FX-graph and AOT caches, under
 TORCHINDUCTOR_CACHE_DIR; point it at a folder of your own to keep artifacts across runs).
+
+Three starts, each a row: "first" (the installation's first start: Python compiles torch's
+sources and caches their bytecode, as installing a package does; an empty compile cache of
+its own), "cold" (bytecode cached, empty compile cache) and "warm" (both cached).
 
 The keys are those of `bench.startup`: a uniform decode key for every default capture size
 up to ``--max-reqs`` and mixed keys of ``--mixed`` tokens, one length bucket of
@@ -132,20 +136,24 @@ def main() -> None:
     if args.child:
         return child(args)
     cache = args.cache_dir or tempfile.mkdtemp(prefix="graphattn-inductor-")
-    # the second start of one installation: Python's bytecode cache is shared too (where
-    # site-packages is read-only, each process would recompile torch's sources)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
-           "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX",
-                                                 str(Path(cache, "pycache")))}
+    # Python's bytecode is cached as an installed package's is (where site-packages is
+    # read-only or PYTHONDONTWRITEBYTECODE is set, each process would recompile torch's
+    # sources): the first start writes it, with a compile cache of its own
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = os.environ.get("PYTHONPYCACHEPREFIX",
+                                                str(Path(cache, "pycache")))
+    first = tempfile.TemporaryDirectory(prefix="graphattn-first-")
     rows, texts = [], []
-    for name in tqdm(("cold", "warm"), desc="warm_start", unit="start"):
+    for name in tqdm(("first", "cold", "warm"), desc="warm_start", unit="start"):
         threads = args.warm_compile_threads if name == "warm" and \
             args.warm_compile_threads else args.compile_threads
-        prof = Path(cache, f"{name}.prof") if args.profile else None
+        prof = Path(cache, f"{name}.prof") if args.profile and name != "first" else None
+        env["TORCHINDUCTOR_CACHE_DIR"] = first.name if name == "first" else cache
         row, stderr = start(args, threads, env, prof)
         rows.append({"start": name, "compile_threads": threads, **row})
         texts += [profile_text(name, prof, stderr)] if prof else []
         tqdm.write(json.dumps(rows[-1]))
+    first.cleanup()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = result_meta("bench.warm_start", argparse.Namespace(

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphattn import GraphRunner, RunnerConfig, SamplingParams
+from graphattn import CompileConfig, GraphRunner, RunnerConfig, SamplingParams
 from graphattn.buckets import BucketPolicy
 from graphattn.models.tiny import TinyConfig, TinyDecoder
 from graphattn.state import RequestState, SchedulerOutput
@@ -93,10 +93,12 @@ def plain_greedy(prompt, n, device="cpu"):
 @pytest.mark.parametrize(("drafts_from", "compile", "device"),
                          [("target", False, "cpu"), ("noise", False, "cpu"),
                           ("noise", True, "cpu"),
+                          ("target", CompileConfig(enabled=True, regions="blocks"), "cpu"),
                           pytest.param("target", False, "cuda", marks=pytest.mark.cuda),
                           pytest.param("noise", True, "cuda", marks=pytest.mark.cuda)])
 def test_spec_decode_through_the_runner_matches_plain_decoding(drafts_from, compile, device):
-    """Verification runs inside the graph (compiled with the forward when compile=True)."""
+    """Verification runs inside the graph (compiled with the forward when compile=True, or
+    around the compiled layers with regions "blocks")."""
     prompt, k, n = [5, 3, 9, 1, 7], 3, 24
     want = plain_greedy(prompt, n + k + 1, device)
     st, runner = spec_runner(k + 1, compile, device)
