@@ -274,8 +274,7 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
           ("graphattn_compiled_dynamic",), ("graphattn_compiled_blocks",), ("graphattn_gemv",),
-          ("graphattn_fp8kv",),
-          ("hf_graphs",), ("hf_compiled_pdl",),
+          ("graphattn_fp8kv",), ("hf_graphs",), ("hf_compiled_pdl",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 

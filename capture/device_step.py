@@ -2,7 +2,8 @@
 
 Prepare's device half, the metadata build (a key fixes the plan), the forward, sampling,
 speculative verification, token write-back and the device truth's advance: one function
-that `graphattn.capture.graphs` captures per key, or inductor compiles per batch shape.
+that `graphattn.capture.graphs` captures per key, and inductor compiles per batch shape
+(whole, or only the forward's repeated blocks: `CompileConfig.regions`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from graphattn.artifacts import aot_compile_available
     ("--artifacts",), marks=pytest.mark.skipif(
         not aot_compile_available(), reason="this torch does not save compiled functions"))])
 def test_cold_and_warm_start_rows(tmp_path, monkeypatch, extra):
-    """Both starts' rows; with --artifacts the warm start compiles nothing: it loads the
+    """The three starts' rows; with --artifacts the warm start compiles nothing: it loads the
     step and prepare's device half the cold start saved; with --regions blocks the layers
     compile as often as the whole step does."""
     artifacts = "--artifacts" in extra
