@@ -13,7 +13,7 @@
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
 #   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
 #                  PROFILE_SHAPES="B:L ...", PROFILE_MODEL=1b), inductor's output code beside
-#   warm           python -m bench.warm_start (cold vs warm compile + capture, default keys;
+#   warm           python -m bench.warm_start (first, cold and warm compile + capture, default keys;
 #                  WARM_ARGS, default "--model 1b --max-reqs 256 --dynamic --profile")
 #   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all;
 #                  STARTUP_ARGS=--lazy: first steps of new keys with lazy capture)
