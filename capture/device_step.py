@@ -23,7 +23,7 @@ from graphattn.capture.model_contract import same_device
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import is_integer_tensor
-from graphattn.compile import BucketCompiler, repeated_blocks, static_marks
+from graphattn.compile import BucketCompiler, repeated_blocks
 from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
@@ -109,7 +109,7 @@ class DeviceStep:
             if compile.regions == "blocks":  # one compile shared by the blocks, called unbound
                 self.blocks = repeated_blocks(forward)
                 self.compiler = BucketCompiler(type(self.blocks[0]).forward, **kw,
-                                               size_options=size_options)
+                                               size_options=size_options, static_roots=(self,))
             else:
                 self.compiler = BucketCompiler(
                     self._run_compiled, **kw, size_options=size_options, static_roots=(self,),
@@ -208,13 +208,13 @@ class DeviceStep:
 
     @contextlib.contextmanager
     def _compiled_blocks(self) -> Iterator[None]:
-        """Block in which each of `blocks` runs its forward through the shared compiler
-        (with dynamic shapes, the tensors this step holds marked static once for all of
-        them); outside it the model is as it was given."""
+        """Block in which each of `blocks` runs its forward through the shared compiler,
+        whose call settings (static marks included) are entered once for all of them;
+        outside it the model is as it was given."""
         for b in self.blocks:
             b.forward = functools.partial(self.compiler, b)
         try:
-            with static_marks(self) if self.compiler.dynamic else contextlib.nullcontext():
+            with self.compiler.calls():
                 yield
         finally:
             for b in self.blocks:

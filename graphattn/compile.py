@@ -216,8 +216,8 @@ class BucketCompiler:
         n, in place of `options`.
     static_roots : sequence of objects
         With `dynamic`: the tensors these hold (caches, state buffers: whatever keeps its
-        shape from key to key) are marked static while `fn` runs (`static_marks`), so only
-        the per-step tensors and ints get symbols.
+        shape from key to key) are marked static while `fn` runs (`static_marks`; once for
+        a `calls()` block), so only the per-step tensors and ints get symbols.
     artifacts : ArtifactStore, optional
         Compiled functions are saved there after each compile, and those already there are
         loaded at the first call (under the grad mode of the calls, which guards record): a
@@ -261,6 +261,7 @@ class BucketCompiler:
         self.dynamic = dynamic
         self._artifacts = artifacts
         self._loaded: list[tuple[str, Any]] | None = None  # read at the first call
+        self._in_calls = False
         self.num_loaded = 0
         # saved functions take their object as an argument: it is not pickled with them
         self._bound = fn.__self__ if artifacts is not None and isinstance(
@@ -298,15 +299,7 @@ class BucketCompiler:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         static = self._static is not None and self._size in self._size_options
         fn = self._static if static else self._compiled
-        # the metadata's ints (row counts) stay symbolic: one compile serves every key
-        shapes = dynamic_shape_config(specialize_int=False) if self.dynamic and not static \
-            else contextlib.nullcontext()
-        # marks only while this compiler runs: other compiles of the same tensors (the
-        # piecewise forward) neither see them nor find them changed; a saved function is
-        # marked only while it compiles (its guards, rebuilt from the file, record none)
-        marks = static_marks(*self._static_roots) if self._artifacts is None \
-            else contextlib.nullcontext()
-        with dynamo_limits(self.max_compiles), opaque_region(), shapes, marks:
+        with contextlib.nullcontext() if self._in_calls else self._settings(static):
             try:
                 if self._artifacts is not None:
                     return self._call_saved(fn, "static" if static else "shared", args, kwargs)
@@ -318,6 +311,37 @@ class BucketCompiler:
                 if cause is not None:
                     raise cause from e
                 raise
+
+    def _settings(self, static: bool) -> contextlib.ExitStack:
+        """Dynamo's settings for a call: the compile limit, opaque regions, dynamic-shape
+        config and static marks."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(dynamo_limits(self.max_compiles))
+        stack.enter_context(opaque_region())
+        if self.dynamic and not static:
+            # the metadata's ints (row counts) stay symbolic: one compile serves every key
+            stack.enter_context(dynamic_shape_config(specialize_int=False))
+        # marks only while this compiler runs: other compiles of the same tensors (the
+        # piecewise forward) neither see them nor find them changed; a saved function is
+        # marked only while it compiles (its guards, rebuilt from the file, record none)
+        if self._artifacts is None:
+            stack.enter_context(static_marks(*self._static_roots))
+        return stack
+
+    @contextlib.contextmanager
+    def calls(self) -> Iterator[None]:
+        """Block whose calls share one entry of the call settings (`__call__` enters them
+        per call otherwise): many calls in a row, such as a step's blocks."""
+        if self._in_calls:
+            yield
+            return
+        static = self._static is not None and self._size in self._size_options
+        self._in_calls = True
+        try:
+            with self._settings(static):
+                yield
+        finally:
+            self._in_calls = False
 
     def _call_saved(self, fn: Any, tag: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:

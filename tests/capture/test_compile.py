@@ -373,3 +373,26 @@ def test_regions_are_validated():
     with pytest.raises(ValueError, match="artifact_dir saves whole compiled steps: it needs "
                                          "regions 'step', got 'blocks'"):
         CompileConfig(enabled=True, regions="blocks", artifact_dir="/tmp/x")
+
+
+def test_calls_block_enters_the_call_settings_once():
+    """BucketCompiler.calls(): the static marks (and dynamo's settings) hold for the whole
+    block, calls inside it run under them and compile as plain calls do, and they are gone
+    after it."""
+    torch._dynamo.reset()
+
+    class Holder:
+        def __init__(self):
+            self.cache = torch.zeros(4)
+
+    held = Holder()
+    c = BucketCompiler(lambda x, h: x * 2 + h.cache.sum(), backend="eager", dynamic=True,
+                       static_roots=(held,))
+    with c.calls():
+        assert held.cache._dynamo_static_indices == {0}
+        with c.calls():  # nested: one entry still
+            outs = [c(torch.ones(n, 4), held) for n in (2, 3, 5)]
+        assert hasattr(held.cache, "_dynamo_static_indices")
+    assert not hasattr(held.cache, "_dynamo_static_indices")
+    assert c.num_compiles == 1 and [tuple(o.shape) for o in outs] == [(2, 4), (3, 4), (5, 4)]
+    assert c(torch.ones(7, 4), held).shape == (7, 4) and c.num_compiles == 1
