@@ -42,6 +42,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.setup import MODELS, result_meta
+from graphattn.config import REGIONS
 
 BLOCK = 16
 
@@ -118,7 +119,7 @@ def parse() -> argparse.Namespace:
                     help="CompileConfig.dynamic: one compile shared by the batch shapes")
     ap.add_argument("--artifacts", action="store_true",
                     help="CompileConfig.artifact_dir: the warm start loads the compiled step")
-    ap.add_argument("--regions", default="step", choices=("step", "blocks"),
+    ap.add_argument("--regions", default="step", choices=REGIONS,
                     help="CompileConfig.regions: the whole step, or the repeated blocks")
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="CompileConfig.compile_threads of both starts (default: the runner's)")
@@ -142,18 +143,17 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = os.environ.get("PYTHONPYCACHEPREFIX",
                                                 str(Path(cache, "pycache")))
-    first = tempfile.TemporaryDirectory(prefix="graphattn-first-")
     rows, texts = [], []
-    for name in tqdm(("first", "cold", "warm"), desc="warm_start", unit="start"):
-        threads = args.warm_compile_threads if name == "warm" and \
-            args.warm_compile_threads else args.compile_threads
-        prof = Path(cache, f"{name}.prof") if args.profile and name != "first" else None
-        env["TORCHINDUCTOR_CACHE_DIR"] = first.name if name == "first" else cache
-        row, stderr = start(args, threads, env, prof)
-        rows.append({"start": name, "compile_threads": threads, **row})
-        texts += [profile_text(name, prof, stderr)] if prof else []
-        tqdm.write(json.dumps(rows[-1]))
-    first.cleanup()
+    with tempfile.TemporaryDirectory(prefix="graphattn-first-") as first:
+        for name in tqdm(("first", "cold", "warm"), desc="warm_start", unit="start"):
+            threads = args.warm_compile_threads if name == "warm" and \
+                args.warm_compile_threads else args.compile_threads
+            prof = Path(cache, f"{name}.prof") if args.profile and name != "first" else None
+            env["TORCHINDUCTOR_CACHE_DIR"] = first if name == "first" else cache
+            row, stderr = start(args, threads, env, prof)
+            rows.append({"start": name, "compile_threads": threads, **row})
+            texts += [profile_text(name, prof, stderr)] if prof else []
+            tqdm.write(json.dumps(rows[-1]))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = result_meta("bench.warm_start", argparse.Namespace(

@@ -106,14 +106,13 @@ class DeviceStep:
                       fullgraph=compile.fullgraph, dynamic=compile.dynamic,
                       options=compile.inductor_options() if inductor else None)
             size_options = {n: compile.inductor_options(n) for n in compile.size_options}
-            if compile.regions == "blocks":  # one compile shared by the blocks, called unbound
+            if compile.regions == "blocks":
                 self.blocks = repeated_blocks(forward)
-                self.compiler = BucketCompiler(type(self.blocks[0]).forward, **kw,
-                                               size_options=size_options, static_roots=(self,))
-            else:
-                self.compiler = BucketCompiler(
-                    self._run_compiled, **kw, size_options=size_options, static_roots=(self,),
-                    artifacts=self._store(compile, "step", kw, size_options))
+            # blocks: one compile of their class's forward, shared, called unbound
+            fn = type(self.blocks[0]).forward if self.blocks else self._run_compiled
+            self.compiler = BucketCompiler(
+                fn, **kw, size_options=size_options, static_roots=(self,),
+                artifacts=self._store(compile, "step", kw, size_options))
             self.assembler = BucketCompiler(assemble_tensors, **kw, static_roots=(state,),
                                             artifacts=self._store(compile, "assembler", kw))
         self.advanced = False

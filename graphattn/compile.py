@@ -296,8 +296,12 @@ class BucketCompiler:
             )
         self.num_compiles += 1
 
+    def _at_static_size(self) -> bool:
+        """Whether calls now run the static compile (a `size_options` size under dynamic)."""
+        return self._static is not None and self._size in self._size_options
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        static = self._static is not None and self._size in self._size_options
+        static = self._at_static_size()
         fn = self._static if static else self._compiled
         with contextlib.nullcontext() if self._in_calls else self._settings(static):
             try:
@@ -335,10 +339,9 @@ class BucketCompiler:
         if self._in_calls:
             yield
             return
-        static = self._static is not None and self._size in self._size_options
         self._in_calls = True
         try:
-            with self._settings(static):
+            with self._settings(self._at_static_size()):
                 yield
         finally:
             self._in_calls = False
