@@ -13,7 +13,7 @@ up to ``--max-reqs`` and mixed keys of ``--mixed`` tokens, one length bucket of
     python -m bench.warm_start [--model tiny] [--max-reqs 8] [--device cuda] [--cache-dir DIR]
                                [--dynamic] [--artifacts] [--regions blocks]
                                [--compile-threads N] [--warm-compile-threads N]
-                               [--profile] [--out DIR]
+                               [--starts first,cold,warm] [--profile] [--out DIR]
 
 ``--dynamic`` compiles with `CompileConfig(dynamic=True)` (one compile shared by the batch
 shapes); ``--artifacts`` keeps the compiled step functions in the cache folder too
@@ -22,7 +22,8 @@ shapes); ``--artifacts`` keeps the compiled step functions in the cache folder t
 go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_blocks][_threadsN][_warmN]
 .json``; with ``--profile`` each start runs under cProfile and the functions with the most
 cumulative time, with dynamo's compile-phase times, go to the same name ending
-``_profile.txt``.
+``_profile.txt``. ``--starts`` runs some of the starts only, e.g. ``--starts warm --profile
+--cache-dir DIR`` profiles a warm start from the cache an earlier run left in DIR.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from bench.setup import MODELS, result_meta
 from graphattn.config import REGIONS
 
 BLOCK = 16
+STARTS = ("first", "cold", "warm")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -105,6 +107,14 @@ def profile_text(name: str, prof: Path, stderr: str) -> str:
     return f"## {name} start\n{buf.getvalue()}\n{phases}\n"
 
 
+def starts(text: str) -> str:
+    """``--starts``: names of `STARTS`, comma-separated."""
+    names = text.split(",")
+    if not all(n in STARTS for n in names):
+        raise argparse.ArgumentTypeError(f"expected names of {STARTS}, got {text!r}")
+    return text
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +135,8 @@ def parse() -> argparse.Namespace:
                     help="CompileConfig.compile_threads of both starts (default: the runner's)")
     ap.add_argument("--warm-compile-threads", type=int, default=None,
                     help="CompileConfig.compile_threads of the warm start only")
+    ap.add_argument("--starts", type=starts, default=",".join(STARTS),
+                    help=f"comma-separated starts to run, in order (default {','.join(STARTS)})")
     ap.add_argument("--profile", action="store_true",
                     help="run each start under cProfile (the result name + _profile.txt)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -145,7 +157,7 @@ def main() -> None:
                                                 str(Path(cache, "pycache")))
     rows, texts = [], []
     with tempfile.TemporaryDirectory(prefix="graphattn-first-") as first:
-        for name in tqdm(("first", "cold", "warm"), desc="warm_start", unit="start"):
+        for name in tqdm(args.starts.split(","), desc="warm_start", unit="start"):
             threads = args.warm_compile_threads if name == "warm" and \
                 args.warm_compile_threads else args.compile_threads
             prof = Path(cache, f"{name}.prof") if args.profile and name != "first" else None

@@ -9,7 +9,6 @@ that `graphattn.capture.graphs` captures per key, and inductor compiles per batc
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,6 +43,23 @@ __all__ = ["DeviceStep", "ModelForward", "StepTensors"]
 ModelForward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
 # logits, sampled, logprobs (or None), rejected, emitted: see DeviceStep.__call__
 StepTensors = tuple[torch.Tensor | None, ...]
+
+
+class _CompiledBlock:
+    """A block's forward through the shared compiler, set on the block while a compiled step
+    runs. Pickles as None: a saved compiled block records the block it was traced with,
+    never the compiled code."""
+
+    __slots__ = ("block", "compiler")
+
+    def __init__(self, compiler: BucketCompiler, block: torch.nn.Module) -> None:
+        self.compiler, self.block = compiler, block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiler(self.block, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(None), ()
 
 
 class DeviceStep:
@@ -112,7 +128,8 @@ class DeviceStep:
             fn = type(self.blocks[0]).forward if self.blocks else self._run_compiled
             self.compiler = BucketCompiler(
                 fn, **kw, size_options=size_options, static_roots=(self,),
-                artifacts=self._store(compile, "step", kw, size_options))
+                artifacts=self._store(compile, "blocks" if self.blocks else "step", kw,
+                                      size_options))
             self.assembler = BucketCompiler(assemble_tensors, **kw, static_roots=(state,),
                                             artifacts=self._store(compile, "assembler", kw))
         self.advanced = False
@@ -143,12 +160,12 @@ class DeviceStep:
                *settings: object) -> ArtifactStore | None:
         """Where `name`'s compiled functions are kept (None without an artifact_dir); its
         fingerprint: the compile settings but the number of compile workers, and what the
-        traced code depends on besides its guards (the forward's, builder's, sampler's and
-        proposer's types, the query width, the forward's inputs)."""
+        traced code depends on besides its guards (the forward's, builder's, sampler's,
+        proposer's and blocks' types, the query width, the forward's inputs)."""
         if compile.artifact_dir is None:
             return None
         parts = [type(o).__module__ + "." + type(o).__qualname__ for o in (
-            self.forward, self.builder, self.sampler, self.proposer)]
+            self.forward, self.builder, self.sampler, self.proposer, *self.blocks[:1])]
         fingerprint = repr((_code_settings(settings), parts, self.decode_query_len,
                             self.static_input_names))
         return ArtifactStore(compile.artifact_dir, name, fingerprint)
@@ -211,7 +228,7 @@ class DeviceStep:
         whose call settings (static marks included) are entered once for all of them;
         outside it the model is as it was given."""
         for b in self.blocks:
-            b.forward = functools.partial(self.compiler, b)
+            b.forward = _CompiledBlock(self.compiler, b)
         try:
             with self.compiler.calls():
                 yield

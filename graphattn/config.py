@@ -101,8 +101,8 @@ class CompileConfig:
         every block (dynamo inlines a block's parameters as inputs), while the rest of the
         step (embedding, head, sampling, metadata) runs uncompiled; the captured graph
         holds it all either way, so a replay pays no Python, and compile time no longer
-        grows with the number of layers: the cold-start path for deep models. Not with
-        `artifact_dir` (ValueError).
+        grows with the number of layers: the cold-start path for deep models. With
+        `artifact_dir`, the shared block function is what is saved and loaded.
     """
 
     enabled: bool = False
@@ -145,9 +145,6 @@ class CompileConfig:
         if self.regions not in REGIONS:
             raise ValueError(f"CompileConfig.regions must be one of {REGIONS}, got "
                              f"{self.regions!r}")
-        if self.regions != "step" and self.artifact_dir is not None:
-            raise ValueError(f"CompileConfig.artifact_dir saves whole compiled steps: it needs "
-                             f"regions 'step', got {self.regions!r}")
 
     def _check_artifact_dir(self) -> None:
         if self.artifact_dir is None:

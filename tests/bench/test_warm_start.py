@@ -10,20 +10,21 @@ from graphattn.artifacts import aot_compile_available
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--regions", "blocks"), pytest.param(
-    ("--artifacts",), marks=pytest.mark.skipif(
-        not aot_compile_available(), reason="this torch does not save compiled functions"))])
+@pytest.mark.parametrize("extra", [(), ("--regions", "blocks"), *(pytest.param(
+    a, marks=pytest.mark.skipif(not aot_compile_available(),
+                                reason="this torch does not save compiled functions"))
+    for a in (("--artifacts",), ("--artifacts", "--regions", "blocks")))])
 def test_cold_and_warm_start_rows(tmp_path, monkeypatch, extra):
     """The three starts' rows; with --artifacts the warm start compiles nothing: it loads the
-    step and prepare's device half the cold start saved; with --regions blocks the layers
-    compile as often as the whole step does."""
+    step (or the layers' shared function) and prepare's device half the cold start saved;
+    with --regions blocks the layers compile as often as the whole step does."""
     artifacts = "--artifacts" in extra
     monkeypatch.setattr(sys, "argv", [
         "warm_start", "--model", "tiny", "--max-reqs", "2", "--max-len", "64", "--mixed", "",
         "--dynamic", "--warm-compile-threads", "1", "--cache-dir", str(tmp_path / "cache"),
         "--out", str(tmp_path), *extra])
     warm_start.main()
-    tag = "_aot" if artifacts else "_blocks" if extra else ""
+    tag = ("_aot" if artifacts else "") + ("_blocks" if "blocks" in extra else "")
     name = f"warm_start_cpu_tiny_2_dynamic{tag}_warm1.json"
     result = json.loads((tmp_path / name).read_text())
     first, cold, warm = result["rows"]

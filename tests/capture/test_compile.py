@@ -370,9 +370,6 @@ def test_regions_are_validated():
     with pytest.raises(ValueError, match=r"regions must be one of \('step', 'blocks'\), got "
                                          r"'layers'"):
         CompileConfig(enabled=True, regions="layers")
-    with pytest.raises(ValueError, match="artifact_dir saves whole compiled steps: it needs "
-                                         "regions 'step', got 'blocks'"):
-        CompileConfig(enabled=True, regions="blocks", artifact_dir="/tmp/x")
 
 
 def test_calls_block_enters_the_call_settings_once():

@@ -13,15 +13,16 @@ needs_aot = pytest.mark.skipif(not aot_compile_available(),
                                reason="this torch does not save compiled functions")
 
 
-def _runner(device, artifact_dir, dynamic=True):
+def _runner(device, artifact_dir, dynamic=True, regions="step"):
     torch.manual_seed(0)
-    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=1)).to(device)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2)).to(device)
     st = RequestState(4, 32, 8, device)
     model.allocate_caches(16, 8)
     runner = GraphRunner(model, st, RunnerConfig(
         policy=BucketPolicy(capture_sizes=(1, 2, 4), length_boundaries=(32,),
                             mixed_token_sizes=(8,)),
-        compile=CompileConfig(enabled=True, dynamic=dynamic, artifact_dir=artifact_dir)))
+        compile=CompileConfig(enabled=True, dynamic=dynamic, artifact_dir=artifact_dir,
+                              regions=regions)))
     runner.capture(progress=False)
     return runner, model
 
@@ -50,30 +51,32 @@ def _serve(runner, model):
 
 @pytest.mark.slow
 @needs_aot
+@pytest.mark.parametrize("regions", ["step", "blocks"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_second_runner_loads_the_saved_step_instead_of_compiling(tmp_path, monkeypatch,
-                                                                   device):
+                                                                   device, regions):
     """CompileConfig(artifact_dir=...): the first runner compiles and saves the step (batch
     1, the other decodes, the mixed key) and prepare's device half; a second one with the
     same settings compiles nothing, loads them and replays the same logits (the float64
     reference's); when the traced code's source reads differently, the saved functions are
-    dropped and compiled again."""
+    dropped and compiled again. With regions "blocks" what is saved is the layers' shared
+    function, loaded once and run by both layers with their own weights."""
     torch._dynamo.reset()
-    first, model = _runner(device, tmp_path)
+    first, model = _runner(device, tmp_path, regions=regions)
     compiles = first.compiler.num_compiles
     assert compiles >= 3 and first.compiler.num_loaded == 0
     want = _serve(first, model)
-    assert len(list(tmp_path.glob("step-*/*.pt2"))) == compiles
+    assert len(list(tmp_path.glob(f"{regions}-*/*.pt2"))) == compiles
 
     torch._dynamo.reset()
-    second, model = _runner(device, tmp_path)
+    second, model = _runner(device, tmp_path, regions=regions)
     assert second.compiler.num_compiles == 0 and second.compiler.num_loaded == compiles
     assert second.device_step.assembler.num_compiles == 0
     torch.testing.assert_close(_serve(second, model), want, rtol=0, atol=0)
 
     torch._dynamo.reset()
     monkeypatch.setattr("graphattn.artifacts.inspect.getsource", lambda m: "changed")
-    third, _ = _runner(device, tmp_path)
+    third, _ = _runner(device, tmp_path, regions=regions)
     assert third.compiler.num_loaded == 0 and third.compiler.num_compiles == compiles
 
 
