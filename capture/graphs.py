@@ -96,14 +96,20 @@ class _Captured:
 
 @contextlib.contextmanager
 def _frozen_gc() -> Iterator[None]:
-    # a collection during capture (torch.cuda.graph's, or one Python starts) has nothing
-    # to walk with everything frozen; the young generations only, as a full collection
-    # costs a lazily captured key about a tenth of a second
+    # what exists now is frozen (a collection has nothing of it to walk; the young
+    # generations collected first, as a full collection costs a lazily captured key about
+    # a tenth of a second) and Python starts no collection until the block ends: one
+    # would walk everything made since, such as compiled code loaded at a key's first
+    # call, and cost a key up to 2 s
     gc.collect(1)
     gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
+        if enabled:
+            gc.enable()
         gc.unfreeze()
 
 

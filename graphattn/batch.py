@@ -25,9 +25,12 @@ __all__ = ["BatchPlan", "InputBatch", "assemble_batch", "assemble_tensors", "pla
 
 def _packed_sizes(num_reqs_padded: int, num_tokens_padded: int) -> list[int]:
     """Segment lengths of the packed buffer:
-    slots | scheduled | qsl | bound | drafts | shared | req idx | offsets | draft ids."""
+    qsl | slots | scheduled | bound | drafts | shared | req idx | offsets | draft ids.
+    qsl first: with a row or more, every later segment starts at 2 or beyond, so a
+    dynamic-shape compile of the step, which reads them as views, does not specialize
+    their storage offsets for batch 1."""
     r, t = num_reqs_padded, num_tokens_padded
-    return [r, r, r + 1, r, r, r, t, t, t]
+    return [r + 1, r, r, r, r, r, t, t, t]
 
 
 @dataclass(slots=True)
@@ -41,7 +44,7 @@ class BatchPlan:
     ----------
     num_reqs, num_reqs_padded, num_tokens, num_tokens_padded : int
     packed : torch.Tensor
-        int32 CPU [4 * num_reqs_padded + 1 + 2 * num_tokens_padded], pinned
+        int32 CPU [6 * num_reqs_padded + 1 + 3 * num_tokens_padded], pinned
         when the state lives on CUDA: the one buffer copied to the device.
     seq_lens_exact : bool
         True when no draft token of these rows awaits verification, so the
@@ -108,7 +111,7 @@ class BatchPlan:
         for n in sizes:  # the segment views, sliced directly (np.split costs more than the rest)
             views.append(flat[at : at + n])
             at += n
-        (self.req_slots_np, self.num_scheduled_tokens_np, self.query_start_loc_np,
+        (self.query_start_loc_np, self.req_slots_np, self.num_scheduled_tokens_np,
          self.seq_lens_cpu_upper_bound_np, self.num_draft_tokens_np, self.shared_rows_np,
          self.req_indices_np, self.token_offsets_np, self.draft_ids_np) = views
         self.query_start_loc_cpu = torch.from_numpy(self.query_start_loc_np)
@@ -299,7 +302,7 @@ def assemble_tensors(packed: torch.Tensor, num_computed_tokens: torch.Tensor,
     InputBatch.
     """
     reqs_p, toks_p = num_reqs_padded, num_tokens_padded
-    (d_slots, d_sched, d_qsl, _, d_drafts, d_shared, d_req_idx, d_offsets,
+    (d_qsl, d_slots, d_sched, _, d_drafts, d_shared, d_req_idx, d_offsets,
      d_draft_ids) = torch.split(packed, _packed_sizes(reqs_p, toks_p))
     d_slots = d_slots.long()
     d_req_idx = d_req_idx.long()

@@ -43,15 +43,19 @@ def dynamo_limits(limit: int) -> contextlib.AbstractContextManager[None]:
 def dynamic_shape_config(specialize_int: bool) -> contextlib.AbstractContextManager[None]:
     """Dynamo settings of a dynamic-shape compile: Python floats of the metadata stay
     constants (a symbolic float would be a 0-d tensor read back with .item(), a host sync),
-    ints too with `specialize_int`, and sizes that happen to be equal are not unified (the
-    batch and ``max_num_reqs`` at one key: the next key would recompile)."""
+    ints too with `specialize_int`; sizes that happen to be equal are not unified (the
+    batch and ``max_num_reqs`` at one key: the next key would recompile), and a size of 1
+    is not specialized where torch can reason about sizes without it (``backed_size_
+    oblivious``): batch 1 shares the compile of the other batch sizes."""
     stack = contextlib.ExitStack()
     cfg = torch._dynamo.config
     names = ("specialize_float", "specialize_int") if specialize_int else ("specialize_float",)
     stack.enter_context(cfg.patch({k: True for k in names if hasattr(cfg, k)}))
     fx_cfg = getattr(torch.fx.experimental, "_config", None)
-    if fx_cfg is not None and hasattr(fx_cfg, "use_duck_shape"):
-        stack.enter_context(fx_cfg.patch(use_duck_shape=False))
+    shapes = {k: v for k, v in (("use_duck_shape", False), ("backed_size_oblivious", True))
+              if hasattr(fx_cfg, k)}
+    if shapes:
+        stack.enter_context(fx_cfg.patch(shapes))
     return stack
 
 
@@ -201,9 +205,9 @@ class BucketCompiler:
         Inner dynamo backend ("inductor"; "eager"/"aot_eager" in tests).
     dynamic : bool
         False: static shapes, one compile per shape. True: symbolic sizes (dynamo's dynamic
-        shapes, duck sizing off so equal sizes stay apart), one compile serving every size
-        but those dynamo specializes (0 and 1); sizes given in `size_options` still compile
-        statically under their own options.
+        shapes, duck sizing off so equal sizes stay apart, sizes of 1 unspecialized where
+        torch allows), one compile serving every size but 0; sizes given in `size_options`
+        still compile statically under their own options.
     max_compiles : int
         Dynamo's recompile limit is raised to this, and hitting it fails
         instead of silently running eager.

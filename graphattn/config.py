@@ -76,10 +76,11 @@ class CompileConfig:
     dynamic : bool
         One compile for every batch shape: the token and request counts are symbolic
         (dynamo's dynamic shapes), and each key's graph is captured from the shared code.
-        Batch 1 and the mixed keys still compile apart (dynamo specializes size 1; mixed
-        steps gather logits), so a 256-request policy of 37 keys compiles about 3 step graphs
-        instead of 37: the cold-start path. False: one compile per batch shape, each
-        specialized to its sizes.
+        Batch 1 shares the decode compile (sizes of 1 are not specialized where the
+        installed torch has ``backed_size_oblivious``; list it in `size_options` to compile
+        it on its own) and the mixed keys compile apart (their attention takes another
+        path), so a 256-request policy of 37 keys compiles 2 step graphs instead of 37: the
+        cold-start path. False: one compile per batch shape, each specialized to its sizes.
     size_options : mapping of int to str or mapping, optional
         Per padded token count (a key's ``num_tokens_padded``: its batch shape), an inductor
         mode name or options that its compile adds to `mode` and `options`, e.g.
@@ -87,13 +88,14 @@ class CompileConfig:
         it may pay, and leaves every other shape's compile time as it is. With `dynamic`,
         these shapes compile statically, apart from the shared code.
     artifact_dir : str or os.PathLike, optional
-        Folder of compiled step functions (`graphattn.artifacts.ArtifactStore`): each compile
-        is saved there, dynamo's trace and guards with inductor's code, and a later runner
-        with the same settings loads them instead of tracing again (the warm start). A
-        loaded function still checks its guards at each call and is dropped when the code
-        it traced has changed. Needs backend "inductor", `fullgraph` and a torch that saves
-        compiled functions (`graphattn.artifacts.aot_compile_available`); ValueError when
-        built otherwise. Inductor's kernels are cached apart, in ``TORCHINDUCTOR_CACHE_DIR``.
+        Folder of compiled step functions (`graphattn.artifacts.ArtifactStore`; with regions
+        "blocks", the layers' shared function): each compile is saved there, dynamo's trace
+        and guards with inductor's code, and a later runner with the same settings loads
+        them instead of tracing again (the warm start). A loaded function still checks its
+        guards at each call and is dropped when the code it traced has changed. Needs
+        backend "inductor", `fullgraph` and a torch that saves compiled functions
+        (`graphattn.artifacts.aot_compile_available`); ValueError when built otherwise.
+        Inductor's kernels are cached apart, in ``TORCHINDUCTOR_CACHE_DIR``.
     regions : str
         What one compile covers. "step": the whole device step, one graph (the default;
         fusions across the step). "blocks": the forward's repeated blocks

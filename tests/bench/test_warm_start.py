@@ -32,9 +32,9 @@ def test_cold_and_warm_start_rows(tmp_path, monkeypatch, extra):
     assert (first["compile_threads"], cold["compile_threads"], warm["compile_threads"]) == (
         None, None, 1)
     assert first["compiles"] == cold["compiles"]  # the first start's compile cache is apart
-    # keys of 1 and 2 rows: the step compiles twice (dynamo specializes size 1)
-    assert cold["keys"] == warm["keys"] == 2 and cold["compiles"] == 2
-    assert warm["compiles"] == (0 if artifacts else 2)
+    # keys of 1 and 2 rows: one compile of the step serves both
+    assert cold["keys"] == warm["keys"] == 2 and cold["compiles"] == 1
+    assert warm["compiles"] == (0 if artifacts else 1)
     assert warm["loaded"] == (cold["all_compiles"] if artifacts else 0)
     for row in (first, cold, warm):
         assert row["seconds"] == pytest.approx(row["first_key_s"] + row["other_keys_s"])

@@ -182,3 +182,31 @@ def test_scratch_outputs_share_the_pool_across_keys():
         del m
     # four keys' wide outputs (8 + 6 + 4 + 2 rows of 4 MiB) against the largest one's
     assert pools[(0,)] <= pools[()] - 40 * 2**20, pools
+
+
+def test_capture_starts_no_garbage_collection_and_restores_the_collector():
+    """Python starts no collection while keys are captured (one would walk everything made
+    since the heap was frozen: compiled code loaded at a key's first call); the collector's
+    state is as before afterwards, also when a capture raises."""
+    import gc
+
+    seen = []
+
+    def forward(inputs, key):
+        seen.append(gc.isenabled())
+        if key.num_tokens_padded == 8:
+            raise RuntimeError("boom")
+        return toy_forward(inputs, key)
+
+    m = CUDAGraphManager(forward, "cpu", pad_values={"slot": -1, "qsl": "edge"})
+    m.capture(keys()[:2], make_inputs("cpu"))
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        m.capture(keys(), make_inputs("cpu"))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        m.capture(keys()[:2], make_inputs("cpu"))
+    finally:
+        assert not gc.isenabled()
+        gc.enable()

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.fx.experimental._config
 
 from bench.workload import device_truth
 from graphattn import GraphRunner, RunnerConfig, StepOutput
@@ -29,6 +30,21 @@ TRACED = (str(ROOT / "graphattn"), str(ROOT / "capture"), contextlib.__file__,
           str(Path(torch.__file__).parent / "autograd" / "grad_mode.py"),
           str(Path(torch.__file__).parent / "utils" / "_contextlib.py"))
 PROMPT = 12
+
+
+@pytest.fixture(autouse=True)
+def _restore_compile_settings():
+    """Interrupts land in contextlib's frames too, also while a block of dynamo's settings
+    (a piecewise compile's dynamic-shape config) unwinds, which can leave a setting patched
+    for the process: put dynamo's and the shape environment's settings back afterwards, so
+    later tests compile as in a fresh process."""
+    configs = (torch._dynamo.config, torch.fx.experimental._config)
+    saved = [c.get_config_copy() for c in configs]
+    yield
+    for c, values in zip(configs, saved, strict=True):
+        for k, v in values.items():
+            if getattr(c, k) != v:
+                setattr(c, k, v)
 
 
 class LineInterrupt:

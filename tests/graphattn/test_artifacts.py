@@ -55,8 +55,8 @@ def _serve(runner, model):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_second_runner_loads_the_saved_step_instead_of_compiling(tmp_path, monkeypatch,
                                                                    device, regions):
-    """CompileConfig(artifact_dir=...): the first runner compiles and saves the step (batch
-    1, the other decodes, the mixed key) and prepare's device half; a second one with the
+    """CompileConfig(artifact_dir=...): the first runner compiles and saves the step (the
+    decodes, the mixed key) and prepare's device half; a second one with the
     same settings compiles nothing, loads them and replays the same logits (the float64
     reference's); when the traced code's source reads differently, the saved functions are
     dropped and compiled again. With regions "blocks" what is saved is the layers' shared
@@ -64,7 +64,7 @@ def test_a_second_runner_loads_the_saved_step_instead_of_compiling(tmp_path, mon
     torch._dynamo.reset()
     first, model = _runner(device, tmp_path, regions=regions)
     compiles = first.compiler.num_compiles
-    assert compiles >= 3 and first.compiler.num_loaded == 0
+    assert compiles == 2 and first.compiler.num_loaded == 0  # the decodes, the mixed key
     want = _serve(first, model)
     assert len(list(tmp_path.glob(f"{regions}-*/*.pt2"))) == compiles
 
