@@ -52,7 +52,7 @@ class ArtifactStore:
     root : str or os.PathLike
         Folder of every store (created when first saved to).
     name : str
-        What is compiled ("step", "assembler").
+        What is compiled ("step", "blocks", "assembler").
     fingerprint : str
         Everything besides guards that decides the compiled code (backend options, the
         types whose methods are traced); hashed with torch's version into the folder name.
