@@ -209,9 +209,12 @@ class DeviceStep:
             draft = None if self.drafter is None else self.drafter.plan(batch, common, key)
         spec = self.decode_query_len > 1 and (
             key is None or not key.uniform_decode or key.query_len > 1)
-        # one token per row, row r's at index r: the logits need no gather
+        # one token per row, row r's at index r: the logits need no gather (a forward that
+        # takes logits_indices gathers its hidden rows anyway: no flag, so decode and mixed
+        # keys share one compiled step)
         single = (key is not None and key.uniform_decode
-                  and key.num_tokens_padded == key.num_reqs_padded)
+                  and key.num_tokens_padded == key.num_reqs_padded
+                  and "logits_indices" not in self.static_input_names)
         if compiled:  # compiled code may advance the truth at any point of its run
             self.advanced = True
             with self.compiler.at_size(key.num_tokens_padded):

@@ -4,7 +4,7 @@ metadata.
 
 `PiecewiseCompiler` is a torch.compile backend (dynamic shapes, fullgraph): it splits the FX
 graph at ``torch.ops.graphattn.write_kv`` / ``rope_write_kv`` / ``paged_attention`` /
-``rope_paged_decode`` (consecutive ones form one attention piece), so a model with L
+``rope_paged_attention`` (consecutive ones form one attention piece), so a model with L
 attention layers gives L + 1 pieces around L attention pieces. Each piece is compiled with
 inductor on the fake inputs it sees (the default on CUDA; FX submodules elsewhere). On CUDA
 each piece is captured into the shared pool once per padded token count (`tokens` set by the
@@ -29,7 +29,7 @@ from graphattn.sync import opaque_region
 __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
 
 SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv",
-                 "graphattn::rope_write_kv", "graphattn::rope_paged_decode",
+                 "graphattn::rope_write_kv", "graphattn::rope_paged_attention",
                  "graphattn::cascade_attention")
 _SPLIT_TARGETS = frozenset(
     t for name in SPLITTING_OPS

@@ -78,9 +78,10 @@ class CompileConfig:
         (dynamo's dynamic shapes), and each key's graph is captured from the shared code.
         Batch 1 shares the decode compile (sizes of 1 are not specialized where the
         installed torch has ``backed_size_oblivious``; list it in `size_options` to compile
-        it on its own) and the mixed keys compile apart (their attention takes another
-        path), so a 256-request policy of 37 keys compiles 2 step graphs instead of 37: the
-        cold-start path. False: one compile per batch shape, each specialized to its sizes.
+        it on its own), and so do the mixed keys (the attention op picks its decode or
+        mixed path from the plan's ints when it runs), so a 256-request policy of 37 keys
+        compiles 1 step graph instead of 37: the cold-start path. False: one compile per
+        batch shape, each specialized to its sizes.
     size_options : mapping of int to str or mapping, optional
         Per padded token count (a key's ``num_tokens_padded``: its batch shape), an inductor
         mode name or options that its compile adds to `mode` and `options`, e.g.

@@ -49,7 +49,7 @@ class TritonConfig:
         `decode_config` turns it on where the device has it.
     fuse_rope : bool
         One-token decode launches of this config may take the rotary embedding and the
-        K/V write in (`rope_paged_decode`; see `fuse_rope_decode`).
+        K/V write in (`rope_paged_attention`; see `fuse_rope_decode`).
     head_tile : int
         Query heads of a KV head per program (0: `head_tile` picks from the shapes).
     """
@@ -200,7 +200,7 @@ def pow2(n: int) -> int:
 
 def rope_fusable(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The fused rotary decode's shapes: K and V head_dim both `head_dim`, a power of two
-    >= 16 (`rope_paged_decode` falls back to two ops otherwise; `triton_attention` refuses)."""
+    >= 16 (`rope_paged_attention` falls back to two ops otherwise; `triton_attention` refuses)."""
     return k_cache.shape[-1] == v_cache.shape[-1] == head_dim == pow2(head_dim) >= 16
 
 
@@ -218,8 +218,8 @@ def tiles(cfg: TritonConfig, rows: int, num_kv_heads: int, head_dim: int, max_le
 
 def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
                      device: torch.device, kernel: str = "auto") -> bool:
-    """Whether a batch of `rows` one-token decode rows runs `rope_paged_decode` rather than
-    `rope_write_kv` then attention (CPU numbers only; ``rope_paged_decode(auto=True)``
+    """Whether a batch of `rows` one-token decode rows runs `rope_paged_attention` rather than
+    `rope_write_kv` then attention (CPU numbers only; ``rope_paged_attention(auto=True)``
     decides with it when it runs).
 
     Fused, every program rotates its queries before its loop and holds more registers, so

@@ -3,11 +3,12 @@
 ``torch.ops.graphattn.paged_attention``, ``torch.ops.graphattn.cascade_attention`` (a
 shared prefix read once for a group of rows), ``torch.ops.graphattn.write_kv``,
 ``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write) and
-``torch.ops.graphattn.rope_paged_decode`` (both fused into the attention, decode rows) are
-opaque to torch.compile (fake implementations give the shapes), so a compiled forward keeps
-them as single calls: the caches are mutated in place (declared in ``mutates_args``) and
-never copied. The piecewise mode splits compiled graphs at these ops. Each op picks its
-kernel from the device and its `kernel` argument (`graphattn.backends.launch_config`).
+``torch.ops.graphattn.rope_paged_attention`` (both, then the attention: one launch for
+one-token decode rows) are opaque to torch.compile (fake implementations give the shapes),
+so a compiled forward keeps them as single calls: the caches are mutated in place (declared
+in ``mutates_args``) and never copied. The piecewise mode splits compiled graphs at these
+ops. Each op picks its kernel from the device and its `kernel` argument
+(`graphattn.backends.launch_config`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from graphattn.backends.triton_launch import (
     triton_cascade,
 )
 
-__all__ = ["cascade_attention", "kv_bounds", "paged_attention", "rope_paged_decode",
+__all__ = ["cascade_attention", "kv_bounds", "paged_attention", "rope_paged_attention",
            "rope_write_kv", "write_kv"]
 
 
@@ -301,37 +302,37 @@ def _(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_k
     return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])
 
 
-@torch.library.custom_op("graphattn::rope_paged_decode", mutates_args=("k_cache", "v_cache"))
-def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
-                      num_heads: int, num_kv_heads: int, kv_bounds: torch.Tensor, window: int,
-                      softcap: float, sinks: torch.Tensor | None, kernel: str,
-                      k_scale: float = 1.0, v_scale: float = 1.0,
-                      auto: bool = False) -> torch.Tensor:
-    """`rope_write_kv` then `paged_attention` for a batch of one-token decode rows.
+@torch.library.custom_op("graphattn::rope_paged_attention", mutates_args=("k_cache", "v_cache"))
+def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                         block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                         num_heads: int, num_kv_heads: int, num_decodes: int,
+                         decode_query_len: int, kv_bounds: torch.Tensor, window: int,
+                         softcap: float, sinks: torch.Tensor | None, kernel: str,
+                         k_scale: float = 1.0, v_scale: float = 1.0,
+                         auto: bool = False) -> torch.Tensor:
+    """`rope_write_kv` then `paged_attention`, fused for a batch of one-token decode rows.
 
-    On CUDA (Triton; a power-of-two head_dim >= 16 for K and V) one launch (plus the split
-    merge) instead of two: every program rotates its queries, each row's last KV split
-    rotates the new key, writes it and the value to their slot and seeds its softmax with
-    them from registers; every split reads the cache below the new position only.
-    Otherwise the two ops run; with `auto`, also where fusing does not pay
-    (`graphattn.backends.launch_config.fuse_rope_decode` of `kv_bounds`' length, decided
-    here when the op runs, so a compiled caller is not specialized on the length bucket).
+    The path is chosen here, when the op runs, from the plan's ints, so a compiled caller
+    holds one call for decode and mixed batches (one compile serves both). A batch whose
+    rows are all one-token decodes (``num_decodes == rows`` and ``decode_query_len == 1``)
+    runs on CUDA (Triton; a power-of-two head_dim >= 16 for K and V) in one launch (plus
+    the split merge) instead of two: every program rotates its queries, each row's last KV
+    split rotates the new key, writes it and the value to their slot and seeds its softmax
+    with them from registers; every split reads the cache below the new position only.
+    Other batches run the two ops; with `auto`, so do decode batches where fusing does not
+    pay (`graphattn.backends.launch_config.fuse_rope_decode` of `kv_bounds`' length: no
+    specialization on the length bucket either).
 
     Parameters
     ----------
     qkv : [T, (H + 2 Hkv) * D]
-        T >= rows; row i's token is qkv[i] (tokens past the last row: padding, output 0).
-    positions : int64 [T]; inv_freq : float32 [D / 2]
-        As in `rope_write_kv`.
-    k_cache, v_cache : [num_blocks (+ sink), block_size, Hkv, D], written in place
-    query_start_loc : int32 [rows + 1]; seq_lens : int32 [rows] (the new token counted)
-    block_table : int32 [rows, max_blocks]; slot_mapping : int64 [>= T] (-1: padded token)
-    scale : float
-    num_heads, num_kv_heads : int
-    kv_bounds, window, softcap, sinks, kernel, k_scale, v_scale
+        Rows own contiguous token ranges; tokens past the last row: padding, output 0.
+    positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+        As in `rope_write_kv` (caches written in place).
+    query_start_loc, seq_lens (the new tokens counted), block_table, scale, num_decodes,
+    decode_query_len, kv_bounds, window, softcap, sinks, kernel, k_scale, v_scale
         As in `paged_attention`.
     auto : bool
         Fuse only where it pays (default: wherever the kernel can).
@@ -343,28 +344,38 @@ def rope_paged_decode(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     """
     t, d = qkv.shape[0], _check_qkv(qkv, inv_freq, num_heads, num_kv_heads)
     rows = block_table.shape[0]
-    if t < rows:
-        raise ValueError(f"qkv has {t} tokens, expected >= {rows} (one per row of block_table)")
+    if t < num_decodes * decode_query_len:
+        raise ValueError(f"qkv has {t} tokens, expected >= {num_decodes * decode_query_len} "
+                         f"(num_decodes = {num_decodes} x decode_query_len = "
+                         f"{decode_query_len})")
     max_len = _read_bounds(kv_bounds)[1]
-    if resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache) \
-            and (not auto or fuse_rope_decode(rows, num_kv_heads, d, max_len, qkv.device, kernel)):
-        check_contiguous_caches("rope_paged_decode", k_cache, v_cache)
-        if qkv.stride(-1) != 1:
-            qkv = qkv.contiguous()
+    if rows and num_decodes == rows and decode_query_len == 1 and _fuses(
+            qkv, d, k_cache, v_cache, rows, num_kv_heads, max_len, kernel, auto):
+        check_contiguous_caches("rope_paged_attention", k_cache, v_cache)
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
         q = qkv.view(t, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
         return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                 scale, 1, max_len, window, softcap, sinks,
-                                 rope=(positions, inv_freq, slot_mapping),
-                                 scales=(k_scale, v_scale))
+                                scale, 1, max_len, window, softcap, sinks,
+                                rope=(positions, inv_freq, slot_mapping),
+                                scales=(k_scale, v_scale))
     q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
                       num_kv_heads, kernel, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                           slot_mapping, scale, rows, 1, kv_bounds, window, softcap, sinks,
-                           kernel, k_scale, v_scale)
+                           slot_mapping, scale, num_decodes, decode_query_len, kv_bounds,
+                           window, softcap, sinks, kernel, k_scale, v_scale)
 
 
-@rope_paged_decode.register_fake
+def _fuses(qkv: torch.Tensor, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           rows: int, num_kv_heads: int, max_len: int, kernel: str, auto: bool) -> bool:
+    """Whether a batch of `rows` one-token decode rows (head_dim `d`) runs the fused Triton
+    launch."""
+    return (resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache)
+            and (not auto or fuse_rope_decode(rows, num_kv_heads, d, max_len, qkv.device,
+                                              kernel)))
+
+
+@rope_paged_attention.register_fake
 def _(qkv, positions, inv_freq, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-      slot_mapping, scale, num_heads, num_kv_heads, kv_bounds, window, softcap, sinks, kernel,
-      k_scale=1.0, v_scale=1.0, auto=False):
+      slot_mapping, scale, num_heads, num_kv_heads, num_decodes, decode_query_len, kv_bounds,
+      window, softcap, sinks, kernel, k_scale=1.0, v_scale=1.0, auto=False):
     return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])

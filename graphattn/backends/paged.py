@@ -188,11 +188,11 @@ class PagedAttentionImpl:
     kernel : {"auto", "triton", "varlen", "torch"}
         See `graphattn.backends.launch_config`; "auto" is Triton on CUDA, torch elsewhere.
     fuse_rope : bool, optional
-        Whether `forward_qkv` on a batch of one-token decode rows runs
-        ``torch.ops.graphattn.rope_paged_decode`` (rotation, K/V write and attention in one
-        launch) or `rope_write_kv` then attention, as for every other batch. None: where it
-        pays (`graphattn.backends.launch_config.fuse_rope_decode`, decided by the op when
-        it runs).
+        Whether `forward_qkv` on a batch of one-token decode rows fuses rotation, K/V write
+        and attention into one launch (``torch.ops.graphattn.rope_paged_attention``) or
+        runs `rope_write_kv` then attention, as for every other batch. None: where it pays
+        (`graphattn.backends.launch_config.fuse_rope_decode`, decided by the op when it
+        runs).
     k_scale, v_scale : float
         Per-tensor scales of an fp8 KV cache (``float8_e4m3fn``: it stores K / k_scale and
         V / v_scale, clamped to +-448, and the kernels dequantize in registers); 1 for a
@@ -257,11 +257,11 @@ class PagedAttentionImpl:
                     meta: PagedAttentionMetadata) -> torch.Tensor:
         """Attention output from a fused qkv projection, rotary embedding applied here.
 
-        ``torch.ops.graphattn.rope_write_kv`` rotates q and k (NeoX halves) and writes
-        K/V in one launch, then the attention op runs: two launches per layer on CUDA. A
-        batch of one-token decode rows (the plan says so) runs
-        ``torch.ops.graphattn.rope_paged_decode`` instead where `fuse_rope` says so: both
-        in one launch.
+        ``torch.ops.graphattn.rope_paged_attention``: the rotation of q and k (NeoX halves)
+        and the K/V write in one launch, then attention (two launches per layer on CUDA); a
+        batch of one-token decode rows (the plan says so, read when the op runs) in one
+        launch where `fuse_rope` says so. With `fuse_rope` False or a shared prefix:
+        ``rope_write_kv`` then the attention op.
 
         Parameters
         ----------
@@ -276,21 +276,19 @@ class PagedAttentionImpl:
             [T, H, D]; padded tokens give 0.
         """
         k_cache, v_cache = kv_cache
-        rows = meta.block_table.shape[0]
-        if meta.decode_query_len == 1 and meta.num_decodes == rows > 0 and (
-                not meta.shared_prefix) and self.fuse_rope is not False:
-            # with fuse_rope None the op decides from the bounds when it runs: no guard on
-            # the length bucket in a compiled forward
-            return torch.ops.graphattn.rope_paged_decode(
-                qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc,
-                meta.seq_lens, meta.block_table, meta.slot_mapping, self.scale, self.num_heads,
-                self.num_kv_heads, meta.kv_bounds, self.window, self.softcap, self.sinks,
-                self.kernel, self.k_scale, self.v_scale, self.fuse_rope is None)
-        q = torch.ops.graphattn.rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache,
-                                              meta.slot_mapping, self.num_heads,
-                                              self.num_kv_heads, self.kernel, self.k_scale,
-                                              self.v_scale)
-        return self._attend(q, k_cache, v_cache, meta)
+        if self.fuse_rope is False or meta.shared_prefix:
+            q = torch.ops.graphattn.rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache,
+                                                  meta.slot_mapping, self.num_heads,
+                                                  self.num_kv_heads, self.kernel, self.k_scale,
+                                                  self.v_scale)
+            return self._attend(q, k_cache, v_cache, meta)
+        # the op picks the fused decode path from the plan's ints when it runs: one compiled
+        # forward for decode and mixed batches, no guard on the length bucket
+        return torch.ops.graphattn.rope_paged_attention(
+            qkv, positions, inv_freq, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+            meta.block_table, meta.slot_mapping, self.scale, self.num_heads, self.num_kv_heads,
+            meta.num_decodes, meta.decode_query_len, meta.kv_bounds, self.window, self.softcap,
+            self.sinks, self.kernel, self.k_scale, self.v_scale, self.fuse_rope is None)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

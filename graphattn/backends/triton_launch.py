@@ -82,7 +82,7 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bound of every row's length; `config`: the launch config (default `decode_config` for
     uniform rows, `PREFILL_CONFIG` otherwise); `rope`: (positions, inv_freq, slot_mapping) of
     a one-token decode launch whose `q` is the q-head view of a fused qkv
-    (`rope_paged_decode`); `kv_start`: int32 [rows], each row's first key (default 0);
+    (`rope_paged_attention`); `kv_start`: int32 [rows], each row's first key (default 0);
     `parts`: (part [T, H, P, DV_PAD], part_lse [T, H, P], base): write the splits' partials
     at parts base, base + 1, ... and merge nothing (returns None; `triton_cascade`);
     `prefix`: (part [T, H, S, DV_PAD], part_lse [T, H, S]) of a prefix pass, which each

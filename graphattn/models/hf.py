@@ -162,13 +162,15 @@ def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          ctx.caches[module.layer_idx], kwargs["graphattn_metadata"],
                          kwargs.get("indices"))
         return out.unsqueeze(0), None
-    q = query[0].transpose(0, 1)
+    # [1, H, T, D] to [T, H, D] through the token-major layout the projections wrote: a
+    # plain view for inductor, with no guard on T (selecting first specializes T == 1)
+    q = query.transpose(1, 2)[0]
     cross = getattr(ctx, "cross_layer_of", ())  # no id() of a decoder-only model's layers:
     if cross and id(module) in cross:  # dynamo would guard on it (one compile per layer)
         out = ctx.cross_attention(module, q, scaling, kwargs["graphattn_cross_metadata"])
         return out.unsqueeze(0), None
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    k = key.transpose(1, 2)[0]
+    v = value.transpose(1, 2)[0]
     impl = ctx.impl_for(module, scaling, sliding_window, softcap, s_aux)
     out = impl.forward(q, k, v, ctx.caches[module.layer_idx], kwargs["graphattn_metadata"])
     return out.unsqueeze(0), None
@@ -243,7 +245,6 @@ class HFCausalLM:
         self.caches: list[Any] = []
         self.keep_hidden_states = False
         self.last_hidden_states: torch.Tensor | None = None
-        self._impls: dict[tuple, PagedAttentionImpl] = {}
         self._scales = layer_scales(None, self.num_layers, False)
         layout = mla_layout(model)
         self.latent: LatentAttention | None = None
@@ -260,17 +261,15 @@ class HFCausalLM:
     def impl_for(self, module: nn.Module, scaling: float | None, window: int | None = None,
                  softcap: float | None = None,
                  sinks: torch.Tensor | None = None) -> PagedAttentionImpl:
-        """The paged impl of a layer's attention features (cached per feature set)."""
+        """The paged impl of a layer's attention features.
+
+        A new (stateless, cheap) object per call rather than a cache: a compiled step then
+        holds no side effect that its next call would guard on and recompile for."""
         s = float(scaling if scaling is not None else self.head_dim ** -0.5)
-        kv = self._scales[getattr(module, "layer_idx", 0)]
-        key = (s, int(window or 0), float(softcap or 0.0), None if sinks is None else id(sinks),
-               kv)
-        if key not in self._impls:
-            self._impls[key] = PagedAttentionImpl(self.num_heads, self.head_dim,
-                                                  self.num_kv_heads, scale=s, window=key[1],
-                                                  softcap=key[2], sinks=sinks, k_scale=kv[0],
-                                                  v_scale=kv[1])
-        return self._impls[key]
+        k_scale, v_scale = self._scales[getattr(module, "layer_idx", 0)]
+        return PagedAttentionImpl(self.num_heads, self.head_dim, self.num_kv_heads, scale=s,
+                                  window=int(window or 0), softcap=float(softcap or 0.0),
+                                  sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
     def allocate_caches(self, num_blocks: int, block_size: int,
                         kv_cache_dtype: torch.dtype | str | None = None,
@@ -293,7 +292,7 @@ class HFCausalLM:
         self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, self.num_kv_heads,
                                                self.head_dim, dtype, p.device)
                              for _ in range(2)) for _ in range(self.num_layers)]
-        self._scales, self._impls = scales, {}
+        self._scales = scales
 
     def kv_scales(self) -> tuple[tuple[float, float], ...]:
         """Per-layer fp8 scales fitted to what the model-dtype caches hold now

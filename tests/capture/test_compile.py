@@ -107,11 +107,11 @@ def test_compiled_forward_writing_kv_in_place_is_captured(device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_runner_compile_writes_caches_in_place_with_no_recompile(device):
-    """GraphRunner(compile=True): inductor code calls the fused decode custom op
-    (rope_paged_decode: both keys are one-token decode keys) on the cache buffers themselves
-    (no copy of any cache), one compile serves both length buckets of the batch shape (the
-    bounds reach the op as a CPU tensor; on CUDA the op decides there whether fusing pays),
-    and steady-state steps never recompile."""
+    """GraphRunner(compile=True): inductor code calls the attention custom op
+    (rope_paged_attention, fused for decode rows where it pays) on the cache buffers
+    themselves (no copy of any cache), one compile serves both length buckets of the batch
+    shape (the bounds reach the op as a CPU tensor; on CUDA the op decides there whether
+    fusing pays), and steady-state steps never recompile."""
     import numpy as np
     from torch._inductor.utils import run_and_get_code
 
@@ -130,7 +130,7 @@ def test_runner_compile_writes_caches_in_place_with_no_recompile(device):
     report, codes = run_and_get_code(runner.capture, progress=False)
     assert report.num_graphs == 2 and runner.compiler.num_compiles == 1
     code = "\n".join(codes)
-    assert code.count("torch.ops.graphattn.rope_paged_decode.default(") == 2  # 2 layers
+    assert code.count("torch.ops.graphattn.rope_paged_attention.default(") == 2  # 2 layers
     assert "index_copy" not in code and ".copy_(" not in code  # no cache is copied
     seq = {runner.add_request("a", [3, 1, 4]): [3, 1, 4], runner.add_request("b", [5, 9]): [5, 9]}
     slots = np.array(sorted(seq), np.int32)

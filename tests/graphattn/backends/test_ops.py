@@ -343,7 +343,7 @@ def test_triton_rotation_matches_torch_at_far_positions():
 
 
 def check_fp8_fused(device: str, dtype: torch.dtype = torch.float32, tol: float = 3e-2) -> None:
-    """The fused rotary + write (`rope_write_kv`) and rotary + decode (`rope_paged_decode`)
+    """The fused rotary + write (`rope_write_kv`) and rotary + decode (`rope_paged_attention`)
     Triton kernels on an fp8 cache holding K / 0.5 and V / 2 against the plain-torch ops on
     the same cache: rotated queries, attention outputs and the written slots (the slots
     within one e4m3 step: the kernels' cos / sin may round a last bit the other way). The
@@ -358,8 +358,8 @@ def check_fp8_fused(device: str, dtype: torch.dtype = torch.float32, tol: float 
         kv = [c.clone() for c in caches]
         with no_host_sync():
             if decode:
-                out = torch.ops.graphattn.rope_paged_decode(
-                    qkv, pos, inv, *kv, qsl, seq, bt, slots, 32 ** -0.5, h, hkv,
+                out = torch.ops.graphattn.rope_paged_attention(
+                    qkv, pos, inv, *kv, qsl, seq, bt, slots, 32 ** -0.5, h, hkv, rows, 1,
                     kv_bounds(nblk, nblk * bs), 0, 0.0, None, kernel, 0.5, 2.0)
             else:
                 out = torch.ops.graphattn.rope_write_kv(qkv, pos, inv, *kv, slots, h, hkv,
@@ -487,24 +487,29 @@ def test_triton_pdl_is_refused_where_the_device_lacks_it(monkeypatch):
 
 
 def _decode_qkv_case(device, dtype, lens=(1, 37, 64, 13), h=8, hkv=2, d=32, bs=8, nblk=8,
-                     seed=0):
-    """One-token decode rows at `lens` (the new token counted) and two padded tokens:
-    (qkv, positions, inv_freq, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-    slot_mapping), on `device`."""
+                     seed=0, q_lens=None):
+    """Rows at `lens` (the new tokens counted) of `q_lens` new tokens each (default one:
+    decode rows) and two padded tokens: (qkv, positions, inv_freq, k_cache, v_cache,
+    query_start_loc, seq_lens, block_table, slot_mapping), on `device`."""
     from graphattn.backends.rope import inv_frequencies
 
     g = torch.Generator().manual_seed(seed)
-    rows, t = len(lens), len(lens) + 2
+    rows = len(lens)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    ql = torch.ones(rows, dtype=torch.int32) if q_lens is None else torch.tensor(
+        q_lens, dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ql.cumsum(0).int()])
+    real = int(qsl[-1])
+    t = real + 2
     kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, generator=g).to(dtype)
               for _ in range(2))
     bt = torch.randperm(rows * nblk, generator=g).int().view(rows, nblk)
-    seq = torch.tensor(lens, dtype=torch.int32)
+    row = torch.repeat_interleave(torch.arange(rows), ql)
     pos = torch.zeros(t, dtype=torch.int64)
-    pos[:rows] = seq - 1
+    pos[:real] = (seq - ql)[row] + torch.arange(real) - qsl[:-1][row]
     slots = torch.full((t,), -1, dtype=torch.int64)
-    slots[:rows] = bt[torch.arange(rows), (seq - 1) // bs].long() * bs + (seq - 1) % bs
+    slots[:real] = bt[row, pos[:real] // bs].long() * bs + pos[:real] % bs
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
-    qsl = torch.arange(rows + 1, dtype=torch.int32)
     return [x.to(device) for x in (qkv, pos, inv_frequencies(d, 1e4, "cpu"), kc, vc, qsl, seq,
                                    bt, slots)]
 
@@ -513,15 +518,17 @@ def _decode_qkv_reference(case, h, hkv, window, softcap, sinks):
     """float64 output and caches of `_decode_qkv_case` (rotations rounded to the dtype)."""
     qkv, pos, _, kc, vc, qsl, seq, bt, slots = (x.cpu() for x in case)
     t, d, rows = qkv.shape[0], kc.shape[-1], bt.shape[0]
+    real = int(qsl[-1])
     x = qkv.double().view(t, h + 2 * hkv, d)
     q = _rope_reference(x[:, :h], pos, 1e4).to(qkv.dtype).double()
     kc, vc = kc.double().clone(), vc.double().clone()
     flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
-    flat_k[slots[:rows]] = _rope_reference(x[:rows, h:h + hkv], pos[:rows], 1e4) \
+    flat_k[slots[:real]] = _rope_reference(x[:real, h:h + hkv], pos[:real], 1e4) \
         .to(qkv.dtype).double()
-    flat_v[slots[:rows]] = x[:rows, h + hkv:].to(qkv.dtype).double()
+    flat_v[slots[:real]] = x[:real, h + hkv:].to(qkv.dtype).double()
     sk = None if sinks is None else sinks.double().cpu()
-    out = gather_paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5, rows, 1,
+    nd = rows if real == rows else 0
+    out = gather_paged_attention(q, kc, vc, qsl, seq, bt, slots, d ** -0.5, nd, 1,
                                      bt.shape[1], window, softcap, sk)
     return out, kc, vc
 
@@ -614,11 +621,13 @@ def test_mla_latent_decode_runs_in_head_groups_on_cuda():
     pytest.param("cuda", torch.float32, True, 2e-3, marks=pytest.mark.cuda),
     pytest.param("cuda", torch.bfloat16, True, 2e-2, marks=pytest.mark.cuda),
     pytest.param("cuda", torch.bfloat16, False, 2e-2, marks=pytest.mark.cuda)])
-def test_rope_paged_decode_matches_float64_reference(feature, device, dtype, split, tol,
-                                                     monkeypatch):
-    """Rotation, the K/V write and attention of one-token decode rows in one op (one Triton
-    launch + merge on CUDA, split or not): output, written slots and untouched slots against
-    float64; on CUDA again from a captured graph replayed at new device lengths."""
+@pytest.mark.parametrize("q_lens", [None, (1, 5, 3, 2)], ids=["decode", "mixed"])
+def test_rope_paged_attention_matches_float64_reference(feature, device, dtype, split, tol,
+                                                        q_lens, monkeypatch):
+    """Rotation, the K/V write and attention in one op: one-token decode rows (one Triton
+    launch + merge on CUDA, split or not) and mixed rows (the write, then attention):
+    output, written slots and untouched slots against float64; on CUDA again from a
+    captured graph replayed at new device lengths."""
     if not split:
         monkeypatch.setattr(triton_launch, "decode_config",
                             lambda programs, pdl=False, kv_bytes=2: TritonConfig(
@@ -629,27 +638,28 @@ def test_rope_paged_decode_matches_float64_reference(feature, device, dtype, spl
     sinks = (torch.randn(h) * 2).to(device, dtype) if feats.get("sinks") else None
 
     def run(case):
+        rows = case[7].shape[0]
         with no_host_sync():
-            return torch.ops.graphattn.rope_paged_decode(
-                *case, 32 ** -0.5, h, hkv, kv_bounds(nblk, nblk * bs),
-                window, softcap, sinks, "auto")
+            return torch.ops.graphattn.rope_paged_attention(
+                *case, 32 ** -0.5, h, hkv, 0 if q_lens else rows, 1,
+                kv_bounds(nblk, nblk * bs), window, softcap, sinks, "auto")
 
     def check(case, out, before):
         ref, kref, vref = _decode_qkv_reference([*case[:3], *before, *case[5:]], h, hkv,
                                                 window, softcap, sinks)
-        rows = case[7].shape[0]
-        torch.testing.assert_close(out[:rows].double().cpu(), ref[:rows], rtol=tol, atol=tol)
-        assert out[rows:].abs().sum().item() == 0  # padded tokens
-        real = slice(0, -bs)  # the torch path parks padded tokens in the sink block
+        t = int(case[5][-1])
+        torch.testing.assert_close(out[:t].double().cpu(), ref[:t], rtol=tol, atol=tol)
+        assert out[t:].abs().sum().item() == 0  # padded tokens
+        kept = slice(0, -bs)  # the torch path parks padded tokens in the sink block
         for got, want in ((case[3], kref), (case[4], vref)):
-            torch.testing.assert_close(got.double().cpu()[real], want[real], rtol=tol, atol=tol)
+            torch.testing.assert_close(got.double().cpu()[kept], want[kept], rtol=tol, atol=tol)
 
-    case = _decode_qkv_case(device, dtype)
+    case = _decode_qkv_case(device, dtype, q_lens=q_lens)
     before = [case[3].clone(), case[4].clone()]
     check(case, run(case), before)
     if device != "cuda":
         return
-    new = _decode_qkv_case(device, dtype, lens=(64, 2, 20, 50), seed=1)
+    new = _decode_qkv_case(device, dtype, lens=(64, 9, 20, 50), seed=1, q_lens=q_lens)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -663,11 +673,11 @@ def test_rope_paged_decode_matches_float64_reference(feature, device, dtype, spl
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(device):
+def test_rope_paged_attention_agrees_with_its_fake_and_refuses_bad_input_unchanged(device):
     case = _decode_qkv_case(device, torch.float32)
-    h, hkv, bounds = 8, 2, kv_bounds(8, 64)
-    tail = (0.2, h, hkv, bounds, 0, 0.0, None, "auto")
-    op = torch.ops.graphattn.rope_paged_decode
+    h, hkv, bounds, rows = 8, 2, kv_bounds(8, 64), case[7].shape[0]
+    tail = (0.2, h, hkv, rows, 1, bounds, 0, 0.0, None, "auto")
+    op = torch.ops.graphattn.rope_paged_attention
     if device == "meta":
         out = op(*case, *tail)
         assert out.shape == (case[0].shape[0], h, 32) and out.device.type == "meta"
@@ -675,10 +685,11 @@ def test_rope_paged_decode_agrees_with_its_fake_and_refuses_bad_input_unchanged(
     torch.library.opcheck(op.default, (*case, *tail))
     before = [case[3].clone(), case[4].clone()]
     with pytest.raises(ValueError, match=r"qkv has shape \(6, 384\), expected \(6, 448\)"):
-        op(*case, 0.2, h + 2, hkv, bounds, 0, 0.0, None, "auto")
+        op(*case, 0.2, h + 2, hkv, rows, 1, bounds, 0, 0.0, None, "auto")
     with pytest.raises(ValueError, match="kv_bounds must be an int64 CPU tensor"):
-        op(*case, 0.2, h, hkv, bounds.to(device).float()[None], 0, 0.0, None, "auto")
-    with pytest.raises(ValueError, match=r"qkv has 3 tokens, expected >= 4"):
+        op(*case, 0.2, h, hkv, rows, 1, bounds.to(device).float()[None], 0, 0.0, None, "auto")
+    with pytest.raises(ValueError, match=r"qkv has 3 tokens, expected >= 4 \(num_decodes = 4 "
+                                         r"x decode_query_len = 1\)"):
         op(case[0][:3], *case[1:], *tail)
     assert torch.equal(case[3], before[0]) and torch.equal(case[4], before[1])
     qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case

@@ -103,10 +103,11 @@ def test_builder_on_meta_device():
         sc.sched.finish_step(s)
 
 
-def test_forward_qkv_fuses_rope_into_one_token_decode_batches():
-    """`PagedAttentionImpl.forward_qkv` on one-token decode rows: `rope_paged_decode` unless
-    `fuse_rope=False` (None: `fuse_rope_decode`, which the CPU always takes), the same
-    output and caches either way; mixed batches keep `rope_write_kv` then attention."""
+def test_forward_qkv_runs_one_op_for_decode_and_mixed_batches():
+    """`PagedAttentionImpl.forward_qkv`: one `rope_paged_attention` call for decode and
+    mixed batches alike (it picks its path from the plan when it runs) unless
+    `fuse_rope=False` (`rope_write_kv` then attention); the same output and caches for
+    every `fuse_rope`."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from graphattn.backends.rope import inv_frequencies
@@ -120,8 +121,8 @@ def test_forward_qkv_fuses_rope_into_one_token_decode_batches():
             self.names.add(func.name())
             return func(*args, **(kwargs or {}))
 
-    for cfg, fused in ((WorkloadConfig(prompt_len=(1, 1), max_new_tokens=(5, 9),
-                                       arrival_prob=1.0), True), (CFGS["mixed"], False)):
+    for cfg in (WorkloadConfig(prompt_len=(1, 1), max_new_tokens=(5, 9), arrival_prob=1.0),
+                CFGS["mixed"]):
         sc = Scenario(cfg, seed=3, max_model_len=64, block_size=8)
         builder = PagedAttentionBuilder(8)
         inv = inv_frequencies(D, 1e4, "cpu")
@@ -139,8 +140,8 @@ def test_forward_qkv_fuses_rope_into_one_token_decode_batches():
                 with Ops() as ops, no_host_sync():
                     out = PagedAttentionImpl(H, D, HKV, fuse_rope=fuse).forward_qkv(
                         qkv, batch.positions, inv, kv, meta)
-                assert ("graphattn::rope_paged_decode" in ops.names) == (fused and fuse
-                                                                          is not False)
+                assert ("graphattn::rope_paged_attention" in ops.names) == (fuse is not False)
+                assert ("graphattn::rope_write_kv" in ops.names) == (fuse is False)
                 results.append((out, kv))
             for out, kv in results[1:]:
                 torch.testing.assert_close(out, results[0][0])

@@ -11,7 +11,7 @@ from graphattn.sync import no_host_sync
 transformers = pytest.importorskip("transformers")
 
 
-def make(device, dtype, compile=False):
+def make(device, dtype, compile=False, policy=None):
     from graphattn.models.hf import HFCausalLM
 
     torch.manual_seed(0)
@@ -23,12 +23,17 @@ def make(device, dtype, compile=False):
     hf = HFCausalLM(copy.deepcopy(ref))
     st = RequestState(4, 64, 8, device)
     hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
-    return ref, GraphRunner(hf, st, RunnerConfig(policy=BucketPolicy(capture_sizes=(1, 2, 4)),
-                                                 compile=compile)), st
+    policy = policy or BucketPolicy(capture_sizes=(1, 2, 4))
+    return ref, GraphRunner(hf, st, RunnerConfig(policy=policy, compile=compile)), st
 
 
-def run(device, dtype, tol, compile=False):
-    ref, runner, st = make(device, dtype, compile)
+def run(device, dtype, tol, compile=False, policy=None, runners=None):
+    """The runner's logits against the model's own generate() over a chunked prefill and
+    decodes of three requests; returns the capture report and each step's key (`runners`:
+    a list that receives the runner)."""
+    ref, runner, st = make(device, dtype, compile, policy)
+    if runners is not None:
+        runners.append(runner)
     report = runner.capture()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (5, 11, 3)]
@@ -71,14 +76,28 @@ def test_llama_cuda_graphs_match_own_generation():
     assert report.num_graphs > 0 and sum(k is not None for k in keys) >= 6
 
 
-def test_compiled_llama_compiles_before_the_recorded_run_on_cpu():
-    """The wrapper's first call creates its attention impls (a side effect the compiled step
-    then guards on), so the second call recompiles: both happen in the warm-up runs, none in
-    the run that stands for the recorded one (a compile there raises RecompileError), and the
-    compiled steps still match the model's own generate()."""
+def test_compiled_llama_compiles_once_per_batch_shape_on_cpu():
+    """compile=True around the wrapper: one compile per batch shape, all before the recorded
+    runs (a compile there raises RecompileError; the wrapper's calls leave no side effect a
+    later call would guard on), and the compiled steps match the model's own generate()."""
+    runners = []
     report, keys = run("cpu", torch.float32, dict(rtol=1e-4, atol=1e-4),
-                       CompileConfig(enabled=True, backend="eager"))
+                       CompileConfig(enabled=True, backend="eager"), runners=runners)
     assert report.num_graphs > 0 and keys[-1] is not None
+    assert runners[0].compiler.num_compiles == 3
+
+
+@pytest.mark.slow
+def test_dynamic_compile_serves_decode_and_mixed_keys_of_llama_from_one_compile():
+    """CompileConfig(dynamic=True) with inductor: the decode keys of 1, 2 and 4 rows (batch 1
+    not specialized by the wrapper's views) and the mixed keys share one compiled step, and
+    every step matches the model's own generate()."""
+    policy = BucketPolicy(capture_sizes=(1, 2, 4), mixed_token_sizes=(16,))
+    runners = []
+    report, keys = run("cpu", torch.float32, dict(rtol=1e-4, atol=1e-4),
+                       CompileConfig(enabled=True, dynamic=True), policy, runners)
+    assert report.num_graphs > 0 and keys[0] is not None and keys[0].num_tokens_padded == 16
+    assert runners[0].compiler.num_compiles == 1
 
 
 @pytest.mark.cuda
