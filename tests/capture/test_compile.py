@@ -235,11 +235,12 @@ def test_size_options_reach_the_compile_of_their_batch_shape_only(monkeypatch):
 @pytest.mark.parametrize("regions", ["step", "blocks"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device, regions):
-    """CompileConfig(dynamic=True): the decode keys of 1 to 4 rows replay graphs captured
-    from one compiled step (batch 1 too: its size is not specialized), every row
-    gives the reference logits with no host read, and steady steps never recompile. With
-    regions "blocks" the three layers share those compiles, and the model's layers keep
-    their own forward outside the runner's compiled steps."""
+    """CompileConfig(dynamic=True): the decode keys of 1 to 4 rows and a mixed key replay
+    graphs captured from one compiled step (batch 1 too: its size is not specialized; the
+    mixed key too: the attention op picks its path when it runs), every row gives the
+    reference logits with no host read, and steady steps never recompile. With regions
+    "blocks" the three layers share that compile, and the model's layers keep their own
+    forward outside the runner's compiled steps."""
     import numpy as np
 
     from graphattn import CompileConfig, GraphRunner, RunnerConfig
@@ -254,9 +255,10 @@ def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device, regio
     st = RequestState(4, 32, 8, device)
     model.allocate_caches(16, 8)
     runner = GraphRunner(model, st, RunnerConfig(
-        policy=BucketPolicy(capture_sizes=(1, 2, 3, 4), length_boundaries=(32,)),
+        policy=BucketPolicy(capture_sizes=(1, 2, 3, 4), length_boundaries=(32,),
+                            mixed_token_sizes=(24,)),
         compile=CompileConfig(enabled=True, dynamic=True, regions=regions)))
-    assert runner.capture(progress=False).num_graphs == 4
+    assert runner.capture(progress=False).num_graphs == 5
     assert runner.compiler.num_compiles == 1
     assert not any("forward" in vars(layer) for layer in model.layers)
     rng = np.random.default_rng(0)
@@ -265,10 +267,14 @@ def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device, regio
         prompt = rng.integers(0, 64, int(rng.integers(2, 6))).tolist()
         seq[runner.add_request(name, prompt)] = prompt
     slots = np.array(sorted(seq), np.int32)
-    runner.step(SchedulerOutput(slots, np.array([len(seq[s]) for s in slots])))
-    for s, t in zip(slots, runner.token_ids[slots, [len(seq[s]) for s in slots]].tolist(),
-                    strict=True):
-        seq[s].append(t)
+    with no_host_sync():
+        out = runner.step(SchedulerOutput(slots, np.array([len(seq[s]) for s in slots])))
+    assert out.replayed and not out.key.uniform_decode
+    tol = 1e-4 if device == "cpu" else 2e-3
+    for j, s in enumerate(slots):
+        ref = model.reference_logits(torch.tensor(seq[s], device=device))[-1]
+        torch.testing.assert_close(out.logits[j], ref, rtol=tol, atol=tol)
+        seq[s].append(int(out.sampled[j]))
     for n in (3, 1, 4, 2, 4):
         live = np.sort(rng.choice(slots, n, replace=False)).astype(np.int32)
         with no_host_sync():
@@ -276,7 +282,6 @@ def test_dynamic_compile_serves_every_batch_shape_from_shared_code(device, regio
         assert out.replayed
         for j, s in enumerate(live):
             ref = model.reference_logits(torch.tensor(seq[s], device=device))[-1]
-            tol = 1e-4 if device == "cpu" else 2e-3
             torch.testing.assert_close(out.logits[j], ref, rtol=tol, atol=tol)
             seq[s].append(int(out.sampled[j]))
     assert runner.compiler.num_compiles == 1
