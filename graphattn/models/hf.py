@@ -17,6 +17,7 @@ implementation is switched only while our forward runs.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -171,9 +172,33 @@ def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         return out.unsqueeze(0), None
     k = key.transpose(1, 2)[0]
     v = value.transpose(1, 2)[0]
-    impl = ctx.impl_for(module, scaling, sliding_window, softcap, s_aux)
-    out = impl.forward(q, k, v, ctx.caches[module.layer_idx], kwargs["graphattn_metadata"])
+    kv, scales = ctx.layer_cache(module)
+    impl = ctx.impl_for(module, scaling, sliding_window, softcap, s_aux, scales)
+    out = impl.forward(q, k, v, kv, kwargs["graphattn_metadata"])
     return out.unsqueeze(0), None
+
+
+@dataclass(slots=True)
+class LayerCache:
+    """One attention layer's paged K/V caches and fp8 scales, held by the layer's module
+    (attribute `LAYER_CACHE`) for the wrapper that allocated them (`owner`).
+
+    The attention function reads them from the module it is called with instead of
+    indexing the wrapper's lists by ``module.layer_idx``: an int attribute of a module,
+    which torch.compile specializes, so a regional compile of one decoder layer
+    (`CompileConfig(regions="blocks")`) would compile once per layer. Pickles (and deep
+    copies) as None: a saved or copied model holds no caches.
+    """
+
+    owner: Any
+    kv: tuple[torch.Tensor, torch.Tensor]
+    scales: tuple[float, float]
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(None), ()
+
+
+LAYER_CACHE = "graphattn_layer_cache"
 
 
 def _register() -> None:
@@ -259,17 +284,27 @@ class HFCausalLM:
         check_supported(model)
 
     def impl_for(self, module: nn.Module, scaling: float | None, window: int | None = None,
-                 softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> PagedAttentionImpl:
-        """The paged impl of a layer's attention features.
+                 softcap: float | None = None, sinks: torch.Tensor | None = None,
+                 scales: tuple[float, float] | None = None) -> PagedAttentionImpl:
+        """The paged impl of a layer's attention features (`scales`: its fp8 cache's,
+        default the layer's own).
 
         A new (stateless, cheap) object per call rather than a cache: a compiled step then
         holds no side effect that its next call would guard on and recompile for."""
         s = float(scaling if scaling is not None else self.head_dim ** -0.5)
-        k_scale, v_scale = self._scales[getattr(module, "layer_idx", 0)]
+        k_scale, v_scale = scales or self.layer_cache(module)[1]
         return PagedAttentionImpl(self.num_heads, self.head_dim, self.num_kv_heads, scale=s,
                                   window=int(window or 0), softcap=float(softcap or 0.0),
                                   sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+
+    def layer_cache(self, module: nn.Module) -> tuple[Any, tuple[float, float]]:
+        """(K/V caches, fp8 scales) of an attention `module`: its `LayerCache` when this
+        wrapper set it, else by the module's ``layer_idx``."""
+        entry = getattr(module, LAYER_CACHE, None)
+        if entry is not None and entry.owner is self:
+            return entry.kv, entry.scales
+        idx = getattr(module, "layer_idx", 0)
+        return self.caches[idx], self._scales[idx]
 
     def allocate_caches(self, num_blocks: int, block_size: int,
                         kv_cache_dtype: torch.dtype | str | None = None,
@@ -293,6 +328,10 @@ class HFCausalLM:
                                                self.head_dim, dtype, p.device)
                              for _ in range(2)) for _ in range(self.num_layers)]
         self._scales = scales
+        for m in self.model.modules():
+            idx = getattr(m, "layer_idx", None)
+            if isinstance(idx, int) and 0 <= idx < self.num_layers:
+                setattr(m, LAYER_CACHE, LayerCache(self, self.caches[idx], scales[idx]))
 
     def kv_scales(self) -> tuple[tuple[float, float], ...]:
         """Per-layer fp8 scales fitted to what the model-dtype caches hold now

@@ -88,16 +88,41 @@ def test_compiled_llama_compiles_once_per_batch_shape_on_cpu():
 
 
 @pytest.mark.slow
-def test_dynamic_compile_serves_decode_and_mixed_keys_of_llama_from_one_compile():
+@pytest.mark.parametrize("regions", ["step", "blocks"])
+def test_dynamic_compile_serves_decode_and_mixed_keys_of_llama_from_one_compile(regions):
     """CompileConfig(dynamic=True) with inductor: the decode keys of 1, 2 and 4 rows (batch 1
-    not specialized by the wrapper's views) and the mixed keys share one compiled step, and
-    every step matches the model's own generate()."""
+    not specialized by the wrapper's views) and the mixed keys share one compiled step, or
+    with regions "blocks" one compiled decoder layer for both layers (each reads its caches
+    from its own module, not by layer index), and every step matches the model's own
+    generate()."""
     policy = BucketPolicy(capture_sizes=(1, 2, 4), mixed_token_sizes=(16,))
     runners = []
     report, keys = run("cpu", torch.float32, dict(rtol=1e-4, atol=1e-4),
-                       CompileConfig(enabled=True, dynamic=True), policy, runners)
+                       CompileConfig(enabled=True, dynamic=True, regions=regions), policy,
+                       runners)
     assert report.num_graphs > 0 and keys[0] is not None and keys[0].num_tokens_padded == 16
     assert runners[0].compiler.num_compiles == 1
+
+
+def test_layer_caches_belong_to_their_wrapper_and_never_travel_with_the_model():
+    """Each attention module holds its layer's caches for the wrapper that allocated them: a
+    second wrapper of the same model takes them over and the first reads its own lists
+    again; a deep copy or a pickle of the model holds none."""
+    import pickle
+
+    from graphattn.models.hf import LAYER_CACHE, HFCausalLM
+
+    _, runner, _ = make("cpu", torch.float32)
+    first, model = runner.forward, runner.forward.model
+    attn = model.model.layers[1].self_attn
+    assert getattr(attn, LAYER_CACHE).kv is first.caches[1]
+    second = HFCausalLM(model)
+    second.allocate_caches(8, 8)
+    assert second.layer_cache(attn)[0] is second.caches[1]
+    assert first.layer_cache(attn)[0] is first.caches[1]
+    assert getattr(copy.deepcopy(model).model.layers[1].self_attn, LAYER_CACHE) is None
+    assert getattr(pickle.loads(pickle.dumps(model)).model.layers[1].self_attn,
+                   LAYER_CACHE) is None
 
 
 @pytest.mark.cuda
