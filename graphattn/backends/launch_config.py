@@ -218,9 +218,9 @@ def tiles(cfg: TritonConfig, rows: int, num_kv_heads: int, head_dim: int, max_le
 
 def fuse_rope_decode(rows: int, num_kv_heads: int, head_dim: int, max_len: int,
                      device: torch.device, kernel: str = "auto") -> bool:
-    """Whether a batch of `rows` one-token decode rows runs `rope_paged_attention` rather than
-    `rope_write_kv` then attention (CPU numbers only; ``rope_paged_attention(auto=True)``
-    decides with it when it runs).
+    """Whether a batch of `rows` one-token decode rows runs the fused launch of
+    `rope_paged_attention` rather than its two ops, `rope_write_kv` then attention (CPU
+    numbers only; ``rope_paged_attention(auto=True)`` decides with it when it runs).
 
     Fused, every program rotates its queries before its loop and holds more registers, so
     fewer programs may fit an SM: it pays where the launch splits the KV axis (few
