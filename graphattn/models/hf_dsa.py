@@ -109,13 +109,10 @@ class SparseLatentAttention(LatentAttention):
         self._step = None
 
     def _impl(self, scaling: float) -> SparseIndexerImpl:
-        impl = self._impls.get(scaling)
-        if impl is None:
-            lo = self.layout
-            impl = self._impls[scaling] = SparseIndexerImpl(
-                lo.num_heads, lo.kv_lora_rank + lo.qk_rope_head_dim, 1, self.topk,
-                scale=scaling)
-        return impl
+        """A new (stateless) impl per call (see `LatentAttention.attend`)."""
+        lo = self.layout
+        return SparseIndexerImpl(lo.num_heads, lo.kv_lora_rank + lo.qk_rope_head_dim, 1,
+                                 self.topk, scale=scaling)
 
     def _select(self, layer: int, indexer: nn.Module, hidden_states: torch.Tensor,
                 q_resid: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

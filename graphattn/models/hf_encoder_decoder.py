@@ -69,7 +69,6 @@ class HFEncoderDecoder(HFCausalLM):
         self.max_positions = learned_positions(model.model.decoder)
         layers = model.model.decoder.layers
         self.cross_layer_of = {id(layer.encoder_attn): i for i, layer in enumerate(layers)}
-        self._cross_impls: dict[float, CrossAttentionImpl] = {}
         self.cross_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
@@ -159,10 +158,10 @@ class HFEncoderDecoder(HFCausalLM):
         """Cross attention of decoder layer `module` over the cached encoder K/V, with the
         scaling the layer passes (Whisper scales q itself and passes 1.0)."""
         s = float(scaling if scaling is not None else self.head_dim ** -0.5)
-        if s not in self._cross_impls:
-            self._cross_impls[s] = CrossAttentionImpl(self.num_heads, self.head_dim, scale=s)
         cache = self.cross_caches[self.cross_layer_of[id(module)]]
-        return self._cross_impls[s].forward(q, None, None, cache, meta)
+        # a new (stateless) impl per call, as `HFCausalLM.impl_for`
+        return CrossAttentionImpl(self.num_heads, self.head_dim, scale=s).forward(
+            q, None, None, cache, meta)
 
     def __call__(self, inputs: dict[str, torch.Tensor],
                  attn_metadata: PagedAttentionMetadata) -> torch.Tensor:

@@ -60,7 +60,6 @@ class LatentAttention:
         self.layout = layout
         self.recording = False
         self._latent: dict[int, torch.Tensor] = {}
-        self._impls: dict[float, Any] = {}
         for module in model.modules():
             if hasattr(module, "kv_a_layernorm") and hasattr(module, "kv_b_proj"):
                 module.kv_a_layernorm.register_forward_hook(self._hook(module.layer_idx))
@@ -98,11 +97,10 @@ class LatentAttention:
                cache: Any, meta: MLAMetadata, indices: torch.Tensor | None) -> torch.Tensor:
         """Absorbed queries [T, H, kv_lora_rank + rope] over the latent cache (writing this
         step's ``[kv_c | k_pe]`` first); [T, H, kv_lora_rank]."""
-        impl = self._impls.get(scaling)
-        if impl is None:
-            lo = self.layout
-            impl = self._impls[scaling] = MLAImpl(lo.num_heads, lo.kv_lora_rank,
-                                                  lo.qk_rope_head_dim, scaling)
+        # a new (stateless) impl per call: a cache of them would be a side effect that a
+        # compiled step's next call guards on and recompiles for
+        lo = self.layout
+        impl = MLAImpl(lo.num_heads, lo.kv_lora_rank, lo.qk_rope_head_dim, scaling)
         return impl.forward(q, kv_c, k_pe, cache, meta)
 
     def begin(self, caches: list[Any], meta: Any) -> dict[str, Any]:

@@ -38,9 +38,9 @@ def build(variant, device="cpu", dtype=torch.float32):
     return ref
 
 
-def serve(ref, device, new=20, debug_sync=False, backend="mla", compile=False):
+def serve(ref, device, new=20, debug_sync=False, backend="mla", compile=False, runners=None):
     """Each request's greedy tokens through GraphRunner (chunked prefills of 4 tokens;
-    `compile`: RunnerConfig's)."""
+    `compile`: RunnerConfig's; `runners`: a list that receives the runner)."""
     from graphattn.models.hf import HFCausalLM
 
     hf = HFCausalLM(copy.deepcopy(ref))
@@ -50,6 +50,8 @@ def serve(ref, device, new=20, debug_sync=False, backend="mla", compile=False):
         capture_sizes=(1, 2, 4), length_boundaries=(64,), mixed_token_sizes=(16,)),
         compile=compile))
     assert runner.backend == backend
+    if runners is not None:
+        runners.append(runner)
     runner.capture(progress=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (5, 11, 3, 7)]
@@ -84,6 +86,20 @@ def test_deepseek_matches_its_own_generate_on_the_mla_backend(variant):
     ref = build(variant)
     prompts, got = serve(ref, "cpu")
     assert got == expected(ref, prompts, "cpu")
+
+
+def test_compiled_deepseek_shares_one_dynamic_compile_past_batch_1():
+    """CompileConfig(dynamic=True): the decode keys of 2 and 4 rows and the mixed key share
+    one compiled step (the wrapper's calls leave nothing for a later call to guard on);
+    batch 1 compiles apart (transformers' own ``expand_kv`` copies a slice, which
+    specializes one token), and the tokens are the model's own generate()'s."""
+    from graphattn import CompileConfig
+
+    ref, runners = build("v3"), []
+    prompts, got = serve(ref, "cpu", new=6, runners=runners, compile=CompileConfig(
+        enabled=True, dynamic=True, backend="eager"))
+    assert got == expected(ref, prompts, "cpu", new=6)
+    assert runners[0].compiler.num_compiles == 2
 
 
 def test_deepseek_leaves_the_users_model_as_it_was():
