@@ -20,10 +20,13 @@ shapes); ``--artifacts`` keeps the compiled step functions in the cache folder t
 (`CompileConfig.artifact_dir`), so the warm start loads them instead of tracing;
 ``--regions blocks`` compiles the decoder layers once, shared (`CompileConfig.regions`). Results
 go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_blocks][_threadsN][_warmN]
-.json``; with ``--profile`` each start runs under cProfile and the functions with the most
-cumulative time, with dynamo's compile-phase times, go to the same name ending
-``_profile.txt``. ``--starts`` runs some of the starts only, e.g. ``--starts warm --profile
---cache-dir DIR`` profiles a warm start from the cache an earlier run left in DIR.
+.json``, a row per start, whose ``key_s`` lists each key's (requests, tokens, uniform decode,
+seconds of its capture with its warm-up runs; what the row's total adds is the pool
+measurement after each key); with ``--profile`` each start runs under cProfile and the
+functions with the most cumulative time, with dynamo's compile-phase times, go to the same
+name ending ``_profile.txt``. ``--starts`` runs some of the starts only, e.g. ``--starts
+warm --profile --cache-dir DIR`` profiles a warm start from the cache an earlier run left in
+DIR.
 """
 
 from __future__ import annotations
@@ -69,15 +72,18 @@ def child(args: argparse.Namespace) -> None:
         artifact_dir=artifacts, regions=args.regions)))
     keys = runner.dispatcher.all_keys()
     t0 = time.perf_counter()
-    runner.capture(keys[:1], progress=False)
+    first = runner.capture(keys[:1], progress=False)
     t1 = time.perf_counter()
-    runner.capture(progress=False)
+    rest = runner.capture(progress=False)
     t2 = time.perf_counter()
     compilers = runner.device_step.compilers()
+    per_key = [[k.num_reqs_padded, k.num_tokens_padded, k.uniform_decode, round(s, 4)]
+               for k, s in zip(first.keys + rest.keys, first.key_seconds + rest.key_seconds,
+                               strict=True)]
     print(json.dumps({"seconds": t2 - t0, "first_key_s": t1 - t0, "other_keys_s": t2 - t1,
                       "keys": len(keys), "compiles": runner.compiler.num_compiles,
                       "all_compiles": sum(c.num_compiles for c in compilers),
-                      "loaded": sum(c.num_loaded for c in compilers)}))
+                      "loaded": sum(c.num_loaded for c in compilers), "key_s": per_key}))
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
 
 

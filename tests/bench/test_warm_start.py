@@ -38,5 +38,7 @@ def test_cold_and_warm_start_rows(tmp_path, monkeypatch, extra):
     assert warm["loaded"] == (cold["all_compiles"] if artifacts else 0)
     for row in (first, cold, warm):
         assert row["seconds"] == pytest.approx(row["first_key_s"] + row["other_keys_s"])
+        assert [k[:3] for k in row["key_s"]] == [[2, 2, True], [1, 1, True]]
+        assert 0 < sum(k[3] for k in row["key_s"]) <= row["seconds"]
     assert "--dynamic" in result["meta"]["command"]
     assert any((tmp_path / "cache").iterdir())  # the compile cache the warm start read
