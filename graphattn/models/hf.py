@@ -34,8 +34,8 @@ from graphattn.backends.reference import (
 from graphattn.models.hf_dsa import SparseLatentAttention, indexer_refusal, indexers
 from graphattn.models.hf_mla import LatentAttention, mla_layout
 
-__all__ = ["ATTN_NAME", "CHECKED", "SUPPORTED", "SWEPT", "HFCausalLM", "check_supported",
-           "learned_positions", "type_refusal"]
+__all__ = ["ATTN_NAME", "CHECKED", "LAYER_CACHE", "SUPPORTED", "SWEPT", "HFCausalLM",
+           "LayerCache", "check_supported", "learned_positions", "type_refusal"]
 
 ATTN_NAME = "graphattn_paged"
 # model types checked against the model's own generate() token for token (tests)
