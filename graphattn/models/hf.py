@@ -160,7 +160,7 @@ def _graphattn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if ctx.latent is not None:  # multi-head latent attention (DeepSeek)
         nope = ctx.latent.layout.qk_nope_head_dim
         out = ctx.latent(module, query[0], key[0, 0, :, nope:], scaling,
-                         ctx.caches[module.layer_idx], kwargs["graphattn_metadata"],
+                         ctx.layer_cache(module)[0], kwargs["graphattn_metadata"],
                          kwargs.get("indices"))
         return out.unsqueeze(0), None
     # [1, H, T, D] to [T, H, D] through the token-major layout the projections wrote: a
@@ -323,10 +323,10 @@ class HFCausalLM:
         if self.latent is not None:
             self.caches = self.latent.allocate(self.num_layers, num_blocks, block_size,
                                                p.dtype, p.device)
-            return
-        self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, self.num_kv_heads,
-                                               self.head_dim, dtype, p.device)
-                             for _ in range(2)) for _ in range(self.num_layers)]
+        else:
+            self.caches = [tuple(allocate_kv_cache(num_blocks, block_size, self.num_kv_heads,
+                                                   self.head_dim, dtype, p.device)
+                                 for _ in range(2)) for _ in range(self.num_layers)]
         self._scales = scales
         for m in self.model.modules():
             idx = getattr(m, "layer_idx", None)
@@ -360,7 +360,7 @@ class HFCausalLM:
             cfg._attn_implementation = ATTN_NAME  # only while our forward runs
             if hasattr(cfg, "_experts_implementation"):
                 cfg._experts_implementation = EXPERTS_IMPLEMENTATION
-            extra = {} if self.latent is None else self.latent.begin(self.caches, attn_metadata)
+            extra = {} if self.latent is None else self.latent.begin(self, attn_metadata)
             # the model's own forward: embedding scales, per-layer rope, logit scaling and
             # softcaps are the model's; no HF cache and no mask (our name has no mask
             # function, so transformers builds none)

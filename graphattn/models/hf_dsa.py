@@ -16,6 +16,7 @@ its own forward: the user's model is unchanged.
 from __future__ import annotations
 
 import sys
+from types import MethodType
 from typing import Any
 
 import torch
@@ -71,21 +72,25 @@ class SparseLatentAttention(LatentAttention):
         first = next(iter(found.values()))
         self.index_dim = first.head_dim
         self.topk = first.index_topk
-        self._step: tuple[list[Any], SparseIndexerMetadata] | None = None
+        self._step: tuple[Any, SparseIndexerMetadata] | None = None
         self._mask_keys = tuple(sorted(set(getattr(model.config, "layer_types", None) or ())
                                        | {"full_attention", "indexed_attention"}))
         self._placeholder: torch.Tensor | None = None
         self._selector = SparseIndexerImpl(layout.num_heads, first.head_dim, 1, self.topk)
-        for layer, idx in found.items():
-            idx.forward = self._dispatch(layer, idx, idx.forward)
+        # one function for every indexer, bound to each (no layer index in it: a regional
+        # compile of the decoder layer then serves every layer)
+        forward = self._dispatch()
+        for idx in found.values():
+            idx.forward = MethodType(forward, idx)
 
-    def _dispatch(self, layer: int, indexer: nn.Module, own: Any) -> Any:
-        def forward(hidden_states: torch.Tensor, q_resid: torch.Tensor,
+    def _dispatch(self) -> Any:
+        def forward(indexer: nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor,
                     position_embeddings: tuple[torch.Tensor, torch.Tensor], *args: Any,
                     **kwargs: Any) -> torch.Tensor:
             if self._step is None:  # the user's own forward
-                return own(hidden_states, q_resid, position_embeddings, *args, **kwargs)
-            return self._select(layer, indexer, hidden_states, q_resid, position_embeddings)
+                return type(indexer).forward(indexer, hidden_states, q_resid,
+                                             position_embeddings, *args, **kwargs)
+            return self._select(indexer, hidden_states, q_resid, position_embeddings)
         return forward
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -97,11 +102,11 @@ class SparseLatentAttention(LatentAttention):
         return [(c, allocate_kv_cache(num_blocks, block_size, 1, self.index_dim, dtype, device))
                 for c in latent]
 
-    def begin(self, caches: list[Any], meta: Any) -> dict[str, Any]:
+    def begin(self, owner: Any, meta: Any) -> dict[str, Any]:
         """Record for one forward; the model gets a placeholder mask per layer type (its
         attention slices the mask it hands the indexer, which this forward never reads)."""
-        super().begin(caches, meta)
-        self._step = (caches, meta)
+        super().begin(owner, meta)
+        self._step = (owner, meta)
         return {"attention_mask": dict.fromkeys(self._mask_keys, self._placeholder)}
 
     def end(self) -> None:
@@ -114,10 +119,10 @@ class SparseLatentAttention(LatentAttention):
         return SparseIndexerImpl(lo.num_heads, lo.kv_lora_rank + lo.qk_rope_head_dim, 1,
                                  self.topk, scale=scaling)
 
-    def _select(self, layer: int, indexer: nn.Module, hidden_states: torch.Tensor,
-                q_resid: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _select(self, indexer: nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """int64 [1, T, topk]: each token's top-k positions (-1 past its visible keys)."""
-        caches, meta = self._step
+        owner, meta = self._step
         t, r = hidden_states.shape[1], indexer.qk_rope_head_dim
         q = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, indexer.head_dim)
         k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)  # [1, T, 1, D]
@@ -127,7 +132,8 @@ class SparseLatentAttention(LatentAttention):
         proj = indexer.weights_proj
         weights = proj(hidden_states.to(proj.weight.dtype)).float()[0] * (
             indexer.n_heads ** -0.5 * indexer.softmax_scale)  # relu(c x) = c relu(x), c > 0
-        return self._selector.select(q, k, weights, caches[layer][1], meta)[None]
+        index_cache = owner.layer_cache(indexer)[0][1]
+        return self._selector.select(q, k, weights, index_cache, meta)[None]
 
     def attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, scaling: float,
                cache: Any, meta: SparseIndexerMetadata,

@@ -59,16 +59,16 @@ class LatentAttention:
     def __init__(self, model: nn.Module, layout: MLALayout) -> None:
         self.layout = layout
         self.recording = False
-        self._latent: dict[int, torch.Tensor] = {}
+        # the latent of the layer running now: each layer's norm runs before its attention,
+        # and one slot (no layer index) leaves a regional compile nothing per layer to guard
+        self._latent: torch.Tensor | None = None
         for module in model.modules():
             if hasattr(module, "kv_a_layernorm") and hasattr(module, "kv_b_proj"):
-                module.kv_a_layernorm.register_forward_hook(self._hook(module.layer_idx))
+                module.kv_a_layernorm.register_forward_hook(self._record)
 
-    def _hook(self, layer: int) -> Any:
-        def record(norm: nn.Module, args: Any, out: torch.Tensor) -> None:
-            if self.recording:  # the user's own forward records nothing
-                self._latent[layer] = out.reshape(-1, out.shape[-1])
-        return record
+    def _record(self, norm: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if self.recording:  # the user's own forward records nothing
+            self._latent = out.reshape(-1, out.shape[-1])
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> list[torch.Tensor]:
@@ -88,7 +88,11 @@ class LatentAttention:
         w = module.kv_b_proj.weight.view(lo.num_heads, nope + lo.v_head_dim, lora)
         q = query.transpose(0, 1)  # [T, H, nope + rope]
         q_lat = torch.einsum("thn,hnl->thl", q[..., :nope], w[:, :nope])
-        kv_c = self._latent.pop(module.layer_idx).to(q.dtype)
+        kv_c, self._latent = self._latent, None
+        if kv_c is None:
+            raise RuntimeError(f"{type(module).__name__}.kv_a_layernorm did not run before its "
+                               "attention: the latent path records the latent there")
+        kv_c = kv_c.to(q.dtype)
         out = self.attend(torch.cat([q_lat, q[..., nope:]], -1), kv_c, k_pe, float(scaling),
                           cache, meta, indices)
         return torch.einsum("thl,hvl->thv", out, w[:, nope:])
@@ -103,12 +107,13 @@ class LatentAttention:
         impl = MLAImpl(lo.num_heads, lo.kv_lora_rank, lo.qk_rope_head_dim, scaling)
         return impl.forward(q, kv_c, k_pe, cache, meta)
 
-    def begin(self, caches: list[Any], meta: Any) -> dict[str, Any]:
-        """Start recording for one forward of the wrapper over `caches`; returns the extra
-        keyword arguments the model's forward takes."""
+    def begin(self, owner: Any, meta: Any) -> dict[str, Any]:
+        """Start recording for one forward of `owner` (the wrapper whose ``layer_cache(module)``
+        gives a layer's caches); returns the extra keyword arguments the model's forward
+        takes."""
         self.recording = True
         return {}
 
     def end(self) -> None:
         self.recording = False
-        self._latent.clear()
+        self._latent = None

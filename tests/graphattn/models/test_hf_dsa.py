@@ -6,7 +6,7 @@ requests, selections narrower than the sequences), every step under no_host_sync
 import pytest
 import torch
 
-from tests.graphattn.models.test_hf_mla import COMMON, YARN, expected, serve
+from tests.graphattn.models.test_hf_mla import COMMON, YARN, expected, regional_compiles, serve
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -20,9 +20,10 @@ VARIANTS = {
 }
 
 
-def build(variant, device="cpu", dtype=torch.float32):
+def build(variant, device="cpu", dtype=torch.float32, **config):
+    """The variant's model (`config` overrides its config's fields)."""
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV32Config(**{**COMMON, **VARIANTS[variant]})
+    cfg = transformers.DeepseekV32Config(**{**COMMON, **VARIANTS[variant], **config})
     ref = transformers.DeepseekV32ForCausalLM(cfg).to(device, dtype).eval()
     ref.config._attn_implementation = "eager"
     ref.generation_config.eos_token_id = None
@@ -47,6 +48,14 @@ def test_deepseek_v32_compiled_step_matches_too():
     assert got == expected(ref, prompts, "cpu", new=12)
 
 
+def test_regional_compile_of_deepseek_v32_adds_no_compile_per_layer():
+    """CompileConfig(regions="blocks"): every indexer's forward is one function bound to it,
+    reading its index cache from its own module, so a third layer of a kind already seen
+    (MoE) adds no compile."""
+    counts = regional_compiles(lambda **c: build("topk6", **c), "sparse_indexer")
+    assert counts[0] == counts[1]
+
+
 def test_the_selection_is_what_decides_the_tokens():
     """A narrow top-k gives other tokens than a dense one (so the match above tests it)."""
     narrow, dense = build("topk3_yarn"), build("topk3_yarn")
@@ -66,7 +75,7 @@ def test_deepseek_v32_leaves_the_users_model_as_it_was():
     hf = HFCausalLM(ref)
     assert hf.backends == ("sparse_indexer",)
     torch.testing.assert_close(ref(ids).logits, before, rtol=0, atol=0)
-    assert not hf.latent._latent
+    assert hf.latent._latent is None
 
 
 def test_an_indexer_it_cannot_rebuild_is_refused_when_wrapping():
