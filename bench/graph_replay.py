@@ -18,7 +18,9 @@ the Triton GEMV, `graphattn.backends.linear.swap_linears`),
 `graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
 `hf_graphs` / `hf_compiled_pdl` (a transformers `LlamaForCausalLM` of the same shape, tied
 embeddings, through `HFCausalLM`: its own forward in our graphs, eager or compiled with
-programmatic dependent launch; the same weight bytes in the floor),
+programmatic dependent launch; the same weight bytes in the floor), `hf_fused_pdl`
+(`hf_compiled_pdl` after `graphattn.fuse_projections`: q / k / v and gate / up one matmul
+each),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
 `replay_floor` / `replay_floor_compiled` (the graphs of `graphattn_graphs` /
@@ -58,12 +60,13 @@ from graphattn import CompileConfig, GraphRunner, RunnerConfig
 from graphattn.backends.linear import swap_linears
 from graphattn.buckets import BucketPolicy
 from graphattn.capture.profiling import StageProfiler
+from graphattn.models.projections import fuse_projections
 from graphattn.state import SchedulerOutput
 
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
                 "graphattn_compiled_dynamic", "graphattn_compiled_blocks", "graphattn_gemv",
-                "graphattn_fp8kv", "hf_graphs", "hf_compiled_pdl")
+                "graphattn_fp8kv", "hf_graphs", "hf_compiled_pdl", "hf_fused_pdl")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -275,6 +278,7 @@ GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
           ("graphattn_compiled_dynamic",), ("graphattn_compiled_blocks",), ("graphattn_gemv",),
           ("graphattn_fp8kv",), ("hf_graphs",), ("hf_compiled_pdl",),
+          ("hf_fused_pdl",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -308,11 +312,13 @@ def _mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
         swap_linears(setup.model)
     if mode.startswith("hf_"):
         forward = hf_llama(k0.device, k0.dtype, setup.model.cfg)
+        if mode == "hf_fused_pdl":
+            fuse_projections(forward.model)
         setup.model.caches = []
         forward.allocate_caches(k0.shape[0] - 1, k0.shape[1])
     compile_cfg = CompileConfig(enabled=mode != "hf_graphs", pdl=mode in (
         "graphattn_compiled_pdl", "graphattn_compiled_dynamic", "graphattn_compiled_blocks",
-        "graphattn_gemv", "hf_compiled_pdl"),
+        "graphattn_gemv", "hf_compiled_pdl", "hf_fused_pdl"),
         dynamic=mode in ("graphattn_compiled_dynamic", "graphattn_compiled_blocks"),
         regions="blocks" if mode == "graphattn_compiled_blocks" else "step")
     return GraphRunner(forward, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))

@@ -31,6 +31,7 @@ _HOMES = {
     "SamplingParams": "graphattn.sampling",
     "SchedulerOutput": "graphattn.state",
     "StepOutput": "graphattn.capture.step_output",
+    "fuse_projections": "graphattn.models.projections",
     "swap_linears": "graphattn.backends.linear",
     "no_host_sync": "graphattn.sync",
 }
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from graphattn.capture.step_output import StepOutput
     from graphattn.config import CompileConfig, RunnerConfig
     from graphattn.keys import CUDAGraphMode, GraphKey
+    from graphattn.models.projections import fuse_projections
     from graphattn.proposer import NgramProposer
     from graphattn.sampling import SamplingParams
     from graphattn.state import RequestState, SchedulerOutput

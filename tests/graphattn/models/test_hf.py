@@ -11,7 +11,9 @@ from graphattn.sync import no_host_sync
 transformers = pytest.importorskip("transformers")
 
 
-def make(device, dtype, compile=False, policy=None):
+def make(device, dtype, compile=False, policy=None, prepare=None):
+    """The reference model, a runner around a wrapped copy (`prepare(copy)` first, when
+    given) and its state."""
     from graphattn.models.hf import HFCausalLM
 
     torch.manual_seed(0)
@@ -20,18 +22,21 @@ def make(device, dtype, compile=False, policy=None):
                                    num_key_value_heads=2, max_position_embeddings=128)
     ref = transformers.LlamaForCausalLM(cfg).to(device, dtype).eval()
     ref.config._attn_implementation = "eager"
-    hf = HFCausalLM(copy.deepcopy(ref))
+    served = copy.deepcopy(ref)
+    if prepare is not None:
+        prepare(served)
+    hf = HFCausalLM(served)
     st = RequestState(4, 64, 8, device)
     hf.allocate_caches(4 * st.max_num_blocks_per_req, 8)
     policy = policy or BucketPolicy(capture_sizes=(1, 2, 4))
     return ref, GraphRunner(hf, st, RunnerConfig(policy=policy, compile=compile)), st
 
 
-def run(device, dtype, tol, compile=False, policy=None, runners=None):
+def run(device, dtype, tol, compile=False, policy=None, runners=None, prepare=None):
     """The runner's logits against the model's own generate() over a chunked prefill and
     decodes of three requests; returns the capture report and each step's key (`runners`:
-    a list that receives the runner)."""
-    ref, runner, st = make(device, dtype, compile, policy)
+    a list that receives the runner; `prepare`: `make`'s)."""
+    ref, runner, st = make(device, dtype, compile, policy, prepare)
     if runners is not None:
         runners.append(runner)
     report = runner.capture()
