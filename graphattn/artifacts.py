@@ -89,11 +89,19 @@ class ArtifactStore:
         found = [(p.stem.rpartition("-")[2], p) for p in self.folder.glob("*-*.pt2")]
         return [(int(i), p) for i, p in found if i.isdigit()]
 
-    def save(self, tag: str, fn: Any) -> bytes:
-        """Write `fn` (an AOT-compiled function) as the next file of the folder; its bytes."""
+    def save(self, tag: str, fn: Any) -> bytes | None:
+        """Write `fn` (an AOT-compiled function) as the next file of the folder; its bytes,
+        or None (with a warning, no file left) where torch cannot save it, e.g. guards on a
+        class defined inside a function, as some transformers models' modules are."""
         self.folder.mkdir(parents=True, exist_ok=True)
         index = max((i for i, _ in self._files()), default=-1) + 1
         path = self.folder / f"{tag}-{index}.pt2"
-        data = fn.save_compiled_function(str(path)).serialized_data
+        try:
+            data = fn.save_compiled_function(str(path)).serialized_data
+        except Exception as e:  # noqa: BLE001 - torch's serializer raises several kinds
+            path.unlink(missing_ok=True)
+            log.warning("compiled function %s not saved (%s: %s); this start runs it, the "
+                        "next compiles it again", path, type(e).__name__, e)
+            return None
         log.info("saved compiled function %s", path)
         return data

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ import torch.fx.experimental._config
 
 from graphattn.artifacts import ArtifactStore
 from graphattn.sync import opaque_region
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BucketCompiler", "RecompileError", "dynamic_shape_config", "dynamo_limits",
            "mark_static_tensors", "repeated_blocks", "static_marks"]
@@ -193,6 +196,14 @@ class _Inductor(torch._TorchCompileInductorWrapper):
             return super().__call__(gm, example_inputs, **kwargs)
 
 
+def _recompile_cause(e: BaseException) -> RecompileError | None:
+    """The RecompileError that `e` was raised from, if any."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, RecompileError):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
 class BucketCompiler:
     """Compile `fn` once per static shape set (one per GraphKey).
 
@@ -265,6 +276,7 @@ class BucketCompiler:
         self.dynamic = dynamic
         self._artifacts = artifacts
         self._loaded: list[tuple[str, Any]] | None = None  # read at the first call
+        self._unsaved = False  # torch could not save a compile of this step: compile as usual
         self._in_calls = False
         self.num_loaded = 0
         # saved functions take their object as an argument: it is not pickled with them
@@ -313,9 +325,7 @@ class BucketCompiler:
                     return self._call_saved(fn, "static" if static else "shared", args, kwargs)
                 return fn(*args, **kwargs)
             except Exception as e:
-                cause = e
-                while cause is not None and not isinstance(cause, RecompileError):
-                    cause = cause.__cause__ or cause.__context__
+                cause = _recompile_cause(e)
                 if cause is not None:
                     raise cause from e
                 raise
@@ -362,10 +372,23 @@ class BucketCompiler:
             if have == tag and compiled.guard_check(*full, **kwargs):
                 return compiled(*full, **kwargs)
         with static_marks(*self._static_roots):
-            compiled = fn.aot_compile((full, kwargs))
+            if self._unsaved:
+                return fn(*full, **kwargs)
+            try:
+                compiled = fn.aot_compile((full, kwargs))
+            except Exception as e:
+                if _recompile_cause(e) is not None:
+                    raise
+                # e.g. guards on a class defined inside a function (some transformers
+                # modules'), which torch cannot save: this step compiles as without a folder
+                log.warning("compiled step not saved to %s (%s: %s); it compiles at every "
+                            "start", self._artifacts.folder, type(e).__name__, e)
+                self._unsaved = True
+                return fn(*full, **kwargs)
         # run as a later start will: the saved function, its guards rebuilt from the file
         saved = self._artifacts.save(tag, compiled)
-        compiled = torch.compiler.load_compiled_function(io.BytesIO(saved))
+        if saved is not None:
+            compiled = torch.compiler.load_compiled_function(io.BytesIO(saved))
         self._loaded.append((tag, compiled))
         return compiled(*full, **kwargs)
 

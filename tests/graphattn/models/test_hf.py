@@ -215,3 +215,26 @@ def test_kv_scales_calibrate_each_layer_of_an_fp8_cache():
              for layer in hf.model.model.layers}
     assert {(i.k_scale, i.v_scale) for i in impls} == set(scales)
     torch.testing.assert_close(got, want, rtol=0, atol=0.05)
+
+
+@pytest.mark.slow
+def test_llama_with_an_artifact_folder_loads_or_compiles_with_a_warning(tmp_path, caplog):
+    """CompileConfig(artifact_dir=...) around a transformers model: where torch can save the
+    compiled layer, a second runner loads it; where it cannot (guards on a class defined
+    inside a function, as some transformers modules are), each runner compiles it with a
+    warning instead of failing. The tokens are generate()'s either way."""
+    from graphattn.artifacts import aot_compile_available
+
+    if not aot_compile_available():
+        pytest.skip("this torch does not save compiled functions")
+    policy = BucketPolicy(capture_sizes=(1, 2), mixed_token_sizes=(16,))
+    loaded = []
+    for _ in range(2):
+        runners = []
+        cfg = CompileConfig(enabled=True, dynamic=True, regions="blocks", artifact_dir=tmp_path)
+        with caplog.at_level("WARNING", logger="graphattn.compile"):
+            run("cpu", torch.float32, dict(rtol=1e-4, atol=1e-4), cfg, policy, runners)
+        loaded.append(runners[0].compiler.num_loaded)
+    unsaved = [r for r in caplog.records if "not saved" in r.getMessage()]
+    assert loaded == [0, 0] if unsaved else loaded == [0, 1]
+    assert len(unsaved) in (0, 2)
