@@ -11,6 +11,11 @@ log-sum-exp.
 Every launch parameter (grid, tile sizes, splits) comes from CPU numbers
 (padded sizes and the key's length bucket); the loop bounds come from the
 device `seq_lens`, so an over-estimating bound costs grid, never bytes.
+
+Integer arguments that change from one graph key to the next (row, token and split
+counts) are not specialized (``do_not_specialize``): Triton would otherwise compile a
+kernel again whenever one of them turns 1 or a multiple of 16, once per such key at
+capture, for no faster code (they bound loops and masks, never an alignment).
 """
 
 from __future__ import annotations
@@ -121,7 +126,8 @@ def _fold_partial(m_i, l_i, acc, part_out, part_lse, at, m_ok, offs_dv, dv_ok,
     return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows", "num_tokens", "num_splits", "num_parts",
+                                "part_base"))
 def unified_attention_kernel(
     out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
@@ -320,7 +326,8 @@ def _token_rows(query_start_loc, num_rows, tok, LOG_ROWS: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows", "num_tokens", "prefix_len", "num_splits",
+                                "num_parts"))
 def shared_prefix_kernel(
     part_out, part_lse, q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     shared_rows, scale, softcap, window, num_rows, num_tokens, num_heads, prefix_len,
@@ -397,12 +404,11 @@ def shared_prefix_kernel(
     tl.store(part_lse + base, lse2, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows", "num_splits"))
 def merge_splits_kernel(
-    out, part_out, part_lse, sinks, query_start_loc, num_rows, num_heads,
+    out, part_out, part_lse, sinks, query_start_loc, num_rows, num_heads, num_splits,
     stride_ot, stride_oh,
-    HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr, USE_SINKS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, S_PAD: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t, h] = the splits of (t, h) weighted by their softmax mass (+ the head's sink).
@@ -417,9 +423,9 @@ def merge_splits_kernel(
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, DV_PAD)
-    base = (t * num_heads + h) * NUM_SPLITS
+    base = (t * num_heads + h) * num_splits
     real = t < tl.load(query_start_loc + num_rows)
-    lse = tl.load(part_lse + base + offs_s, mask=(offs_s < NUM_SPLITS) & real,
+    lse = tl.load(part_lse + base + offs_s, mask=(offs_s < num_splits) & real,
                   other=float("-inf"))
     m = tl.max(lse, 0)
     if USE_SINKS:
@@ -430,7 +436,7 @@ def merge_splits_kernel(
     total = tl.sum(w, 0)
     if USE_SINKS:
         total += tl.exp2(sink - m)
-    written = (offs_s < NUM_SPLITS) & (lse > float("-inf"))
+    written = (offs_s < num_splits) & (lse > float("-inf"))
     o = tl.load(part_out + (base + offs_s[:, None]) * DV_PAD + offs_d[None, :],
                 mask=written[:, None] & (offs_d[None, :] < HEAD_DIM_V), other=0.0)
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -560,7 +566,7 @@ def _gemv_acc(acc, xt, wt, M_PAD: tl.constexpr, IEEE: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def small_m_linear_kernel(
     x, w, y, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,

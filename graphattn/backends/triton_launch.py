@@ -169,8 +169,8 @@ def _merge_splits(out: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor,
 
     t, h, dv = out.shape
     merge_splits_kernel[(t, h)](
-        out, part, part_lse, sinks, query_start_loc, rows, h, out.stride(0), out.stride(1),
-        HEAD_DIM_V=dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits, S_PAD=max(2, pow2(num_splits)),
+        out, part, part_lse, sinks, query_start_loc, rows, h, num_splits, out.stride(0),
+        out.stride(1), HEAD_DIM_V=dv, DV_PAD=dv_pad, S_PAD=max(2, pow2(num_splits)),
         USE_SINKS=use_sinks, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
