@@ -30,6 +30,9 @@ set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+if ! ls .whl/nvtx-*.whl > /dev/null 2>&1; then
+  echo "no .whl/nvtx-*.whl: copy the nvtx wheel into .whl/ and carry it" >&2; exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1 \
   || { cat "$OUT/install.txt"; exit 1; }

@@ -1,3 +1,5 @@
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -50,17 +52,35 @@ def _serve(runner, model):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
+@pytest.mark.parametrize("regions", ["step", "blocks"])
+def test_on_cuda_the_folder_is_not_used_and_the_step_compiles_as_usual(tmp_path, caplog,
+                                                                        regions):
+    """On CUDA an artifact_dir is not used (a warning, nothing saved or loaded): the keys of
+    the saving test (a mixed key whose padded rows schedule nothing, then decodes) replay
+    the usual dynamic compile and give the float64 reference's logits."""
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="graphattn.capture.device_step"):
+        runner, model = _runner("cuda", tmp_path, regions=regions)
+    assert "artifact_dir is not used on CUDA" in caplog.text
+    assert runner.compiler.num_compiles == 1 and runner.compiler.num_loaded == 0
+    assert not list(tmp_path.iterdir())
+    _serve(runner, model)
+
+
+@pytest.mark.slow
 @needs_aot
 @pytest.mark.parametrize("regions", ["step", "blocks"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_second_runner_loads_the_saved_step_instead_of_compiling(tmp_path, monkeypatch,
-                                                                   device, regions):
+                                                                   regions):
     """CompileConfig(artifact_dir=...): the first runner compiles and saves the step (one
     function for the decodes and the mixed key) and prepare's device half; a second one with
     the same settings compiles nothing, loads them and replays the same logits (the float64
     reference's); when the traced code's source reads differently, the saved functions are
     dropped and compiled again. With regions "blocks" what is saved is the layers' shared
-    function, loaded once and run by both layers with their own weights."""
+    function, loaded once and run by both layers with their own weights. (CPU: on CUDA the
+    folder is not used, below.)"""
+    device = "cpu"
     torch._dynamo.reset()
     first, model = _runner(device, tmp_path, regions=regions)
     compiles = first.compiler.num_compiles
