@@ -53,6 +53,7 @@ def _serve(runner, model):
 
 @pytest.mark.slow
 @pytest.mark.cuda
+@needs_aot
 @pytest.mark.parametrize("regions", ["step", "blocks"])
 def test_on_cuda_the_folder_is_not_used_and_the_step_compiles_as_usual(tmp_path, caplog,
                                                                         regions):
@@ -78,8 +79,8 @@ def test_a_second_runner_loads_the_saved_step_instead_of_compiling(tmp_path, mon
     the same settings compiles nothing, loads them and replays the same logits (the float64
     reference's); when the traced code's source reads differently, the saved functions are
     dropped and compiled again. With regions "blocks" what is saved is the layers' shared
-    function, loaded once and run by both layers with their own weights. (CPU: on CUDA the
-    folder is not used, below.)"""
+    function, loaded once and run by both layers with their own weights. On the CPU: on
+    CUDA the folder is not used (the test above)."""
     device = "cpu"
     torch._dynamo.reset()
     first, model = _runner(device, tmp_path, regions=regions)
