@@ -23,16 +23,19 @@ CUDA, where the runner does not use the folder: its ``loaded`` count stays 0);
 go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_blocks][_threadsN][_warmN]
 .json``, a row per start, whose ``key_s`` lists each key's (requests, tokens, uniform decode,
 seconds of its capture with its warm-up runs; what the row's total adds is the pool
-measurement after each key); with ``--profile`` each start runs under cProfile and the
-functions with the most cumulative time, with dynamo's compile-phase times, go to the same
-name ending ``_profile.txt``. ``--starts`` runs some of the starts only, e.g. ``--starts
-warm --profile --cache-dir DIR`` profiles a warm start from the cache an earlier run left in
-DIR.
+measurement after each key) and whose ``triton_first_key`` / ``triton_all_keys`` count the
+Triton JIT compiles of graphattn's kernels by name, [count, seconds] (`triton_compiles`: a
+compile that Triton's disk cache serves takes milliseconds); with ``--profile`` each start
+runs under cProfile and the functions with the most cumulative time, with dynamo's
+compile-phase times, go to the same name ending ``_profile.txt``. ``--starts`` runs some of
+the starts only, e.g. ``--starts warm --profile --cache-dir DIR`` profiles a warm start from
+the cache an earlier run left in DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -51,6 +55,41 @@ from graphattn.config import REGIONS
 
 BLOCK = 16
 STARTS = ("first", "cold", "warm")
+
+
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[dict[str, list[float]]]:
+    """Compiles of Triton JIT functions launched in the block (graphattn's kernels; inductor
+    compiles its own apart), by kernel name: [count, seconds]. A compile that Triton's
+    on-disk cache serves counts too, in milliseconds. Empty without Triton's JIT hooks."""
+    found: dict[str, list[float]] = {}
+    try:
+        from triton import knobs
+    except ImportError:
+        knobs = None
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        yield found
+        return
+    started: dict[str, float] = {}
+
+    def before(*, key: object, fn: object, **_: object) -> bool:
+        started[f"{fn.name}{key}"] = time.perf_counter()
+        return False  # compile it
+
+    def after(*, key: object, fn: object, **_: object) -> bool:
+        seconds = time.perf_counter() - started.pop(f"{fn.name}{key}", time.perf_counter())
+        entry = found.setdefault(fn.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + seconds, 4)
+        return False
+
+    runtime = knobs.runtime
+    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+    try:
+        yield found
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
 def child(args: argparse.Namespace) -> None:
@@ -72,11 +111,13 @@ def child(args: argparse.Namespace) -> None:
         enabled=True, compile_threads=args.compile_threads, dynamic=args.dynamic,
         artifact_dir=artifacts, regions=args.regions)))
     keys = runner.dispatcher.all_keys()
-    t0 = time.perf_counter()
-    first = runner.capture(keys[:1], progress=False)
-    t1 = time.perf_counter()
-    rest = runner.capture(progress=False)
-    t2 = time.perf_counter()
+    with triton_compiles() as jit:
+        t0 = time.perf_counter()
+        first = runner.capture(keys[:1], progress=False)
+        t1 = time.perf_counter()
+        first_jit = {name: list(c) for name, c in jit.items()}
+        rest = runner.capture(progress=False)
+        t2 = time.perf_counter()
     compilers = runner.device_step.compilers()
     per_key = [[k.num_reqs_padded, k.num_tokens_padded, k.uniform_decode, round(s, 4)]
                for k, s in zip(first.keys + rest.keys, first.key_seconds + rest.key_seconds,
@@ -84,7 +125,8 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"seconds": t2 - t0, "first_key_s": t1 - t0, "other_keys_s": t2 - t1,
                       "keys": len(keys), "compiles": runner.compiler.num_compiles,
                       "all_compiles": sum(c.num_compiles for c in compilers),
-                      "loaded": sum(c.num_loaded for c in compilers), "key_s": per_key}))
+                      "loaded": sum(c.num_loaded for c in compilers), "key_s": per_key,
+                      "triton_first_key": first_jit, "triton_all_keys": jit}))
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
 
 

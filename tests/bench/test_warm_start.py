@@ -40,5 +40,24 @@ def test_cold_and_warm_start_rows(tmp_path, monkeypatch, extra):
         assert row["seconds"] == pytest.approx(row["first_key_s"] + row["other_keys_s"])
         assert [k[:3] for k in row["key_s"]] == [[2, 2, True], [1, 1, True]]
         assert 0 < sum(k[3] for k in row["key_s"]) <= row["seconds"]
+        assert row["triton_first_key"] == row["triton_all_keys"] == {}  # no kernel on CPU
     assert "--dynamic" in result["meta"]["command"]
     assert any((tmp_path / "cache").iterdir())  # the compile cache the warm start read
+
+
+def test_triton_compiles_are_counted_by_kernel_and_the_hooks_put_back():
+    """`triton_compiles` counts each JIT compile between Triton's cache-miss and
+    post-compile hooks by kernel name, and restores the hooks it replaced."""
+    knobs = pytest.importorskip("triton").knobs
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no JIT compile hooks")
+    from triton.runtime.jit import JitFunctionInfo
+
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    fn = JitFunctionInfo(None, "kernel", None)
+    with warm_start.triton_compiles() as found:
+        for key in ("a", "b"):
+            assert knobs.runtime.jit_cache_hook(key=key, fn=fn, repr="") is False
+            assert knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr="") is False
+    assert list(found) == ["kernel"] and found["kernel"][0] == 2 and found["kernel"][1] >= 0
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
