@@ -9,7 +9,6 @@ that `graphattn.capture.graphs` captures per key, and inductor compiles per batc
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,8 +37,6 @@ from graphattn.sampling import (
 from graphattn.state import RequestState
 
 __all__ = ["DeviceStep", "ModelForward", "StepTensors"]
-
-log = logging.getLogger(__name__)
 
 # forward(inputs, attn_metadata) -> logits [num_tokens, vocab], or [rows, vocab] at the token
 # rows inputs["logits_indices"] for a forward that reads them
@@ -164,17 +161,8 @@ class DeviceStep:
         """Where `name`'s compiled functions are kept (None without an artifact_dir); its
         fingerprint: the compile settings but the number of compile workers, and what the
         traced code depends on besides its guards (the forward's, builder's, sampler's,
-        proposer's and blocks' types, the query width, the forward's inputs).
-
-        On CUDA nothing is saved or loaded (None, with a warning): there the replayed
-        logits of a step compiled through the saved path differed from the reference
-        (``tests/graphattn/test_artifacts.py``, CUDA cases), while the same step compiled
-        the usual way matched it; the step compiles the usual way at every start."""
+        proposer's and blocks' types, the query width, the forward's inputs)."""
         if compile.artifact_dir is None:
-            return None
-        if self.state.device.type == "cuda":
-            log.warning("CompileConfig.artifact_dir is not used on CUDA: %s compiles at every "
-                        "start", name)
             return None
         parts = [type(o).__module__ + "." + type(o).__qualname__ for o in (
             self.forward, self.builder, self.sampler, self.proposer, *self.blocks[:1])]

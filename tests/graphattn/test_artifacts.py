@@ -1,5 +1,3 @@
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -55,17 +53,19 @@ def _serve(runner, model):
 @pytest.mark.cuda
 @needs_aot
 @pytest.mark.parametrize("regions", ["step", "blocks"])
-def test_on_cuda_the_folder_is_not_used_and_the_step_compiles_as_usual(tmp_path, caplog,
-                                                                        regions):
-    """On CUDA an artifact_dir is not used (a warning, nothing saved or loaded): the keys of
-    the saving test (a mixed key whose padded rows schedule nothing, then decodes) replay
-    the usual dynamic compile and give the float64 reference's logits."""
+def test_on_cuda_a_folder_is_refused_and_the_usual_compile_serves_the_reference(tmp_path,
+                                                                                 regions):
+    """A runner on CUDA refuses an artifact_dir (ValueError naming it, nothing written);
+    without it, the keys of the saving test (a mixed key whose padded rows schedule
+    nothing, then decodes) replay the usual dynamic compile and give the float64
+    reference's logits."""
     torch._dynamo.reset()
-    with caplog.at_level(logging.WARNING, logger="graphattn.capture.device_step"):
-        runner, model = _runner("cuda", tmp_path, regions=regions)
-    assert "artifact_dir is not used on CUDA" in caplog.text
-    assert runner.compiler.num_compiles == 1 and runner.compiler.num_loaded == 0
+    with pytest.raises(ValueError, match=r"CompileConfig\.artifact_dir = .* on CUDA: "
+                                         r"expected None"):
+        _runner("cuda", tmp_path, regions=regions)
     assert not list(tmp_path.iterdir())
+    runner, model = _runner("cuda", None, regions=regions)
+    assert runner.compiler.num_compiles == 1 and runner.compiler.num_loaded == 0
     _serve(runner, model)
 
 
@@ -80,7 +80,7 @@ def test_a_second_runner_loads_the_saved_step_instead_of_compiling(tmp_path, mon
     reference's); when the traced code's source reads differently, the saved functions are
     dropped and compiled again. With regions "blocks" what is saved is the layers' shared
     function, loaded once and run by both layers with their own weights. On the CPU: on
-    CUDA the folder is not used (the test above)."""
+    CUDA a runner refuses the folder (the test above)."""
     device = "cpu"
     torch._dynamo.reset()
     first, model = _runner(device, tmp_path, regions=regions)
