@@ -22,7 +22,7 @@ from graphattn.capture.model_contract import same_device
 from graphattn.capture.piecewise import PiecewiseCompiler
 from graphattn.capture.profiling import StageProfiler
 from graphattn.checks import is_integer_tensor
-from graphattn.compile import BucketCompiler, repeated_blocks
+from graphattn.compile import BucketCompiler, pin_triton_cache, repeated_blocks
 from graphattn.config import CompileConfig
 from graphattn.keys import GraphKey
 from graphattn.metadata import build_common_metadata
@@ -116,6 +116,8 @@ class DeviceStep:
         self.piecewise, self.profiler = piecewise, profiler
         self.compiler = self.assembler = None
         self.blocks: list[torch.nn.Module] = []
+        if compile.enabled and compile.backend == "inductor" or piecewise is not None:
+            pin_triton_cache(state.device)
         if compile.enabled:
             inductor = compile.backend == "inductor"
             kw = dict(backend=compile.backend, max_compiles=compile.max_compiles,

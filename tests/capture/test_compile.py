@@ -1,7 +1,9 @@
+import os
+
 import pytest
 import torch
 
-from graphattn.compile import BucketCompiler, RecompileError
+from graphattn.compile import BucketCompiler, RecompileError, pin_triton_cache
 from graphattn.keys import GraphKey
 
 
@@ -398,3 +400,18 @@ def test_calls_block_enters_the_call_settings_once():
     assert not hasattr(held.cache, "_dynamo_static_indices")
     assert c.num_compiles == 1 and [tuple(o.shape) for o in outs] == [(2, 4), (3, 4), (5, 4)]
     assert c(torch.ones(7, 4), held).shape == (7, 4) and c.num_compiles == 1
+
+
+def test_triton_cache_is_pinned_to_inductors_folder_on_cuda_only(monkeypatch):
+    """A warm start that loads every graph from inductor's caches must find graphattn's
+    kernels where the cold start put them: inductor's folder, set before anything compiles."""
+    from torch._inductor.runtime.runtime_utils import triton_cache_dir
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert pin_triton_cache(torch.device("cpu")) is None
+    assert "TRITON_CACHE_DIR" not in os.environ
+    expected = triton_cache_dir(1)
+    assert pin_triton_cache(torch.device("cuda", 1)) == expected
+    assert os.environ["TRITON_CACHE_DIR"] == expected
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")  # the user's choice stands
+    assert pin_triton_cache(torch.device("cuda", 0)) == "/somewhere/else"
