@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,12 +96,14 @@ def add_shape_options(ap: argparse.ArgumentParser, steps: bool = True) -> None:
 
 
 def result_meta(module: str, args: argparse.Namespace) -> dict[str, str]:
-    """What a result file says of its run: date, torch version, device and the command that
-    repeats it (every option given but --out)."""
+    """What a result file says of its run: date, torch and Triton versions, device and the
+    command that repeats it (every option given but --out)."""
     cuda = getattr(args, "device", "cpu") == "cuda"
     opts = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                     for k, v in vars(args).items()
                     if k != "out" and v is not None and v is not False)
+    triton = importlib.util.find_spec("triton")
     return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": importlib.import_module("triton").__version__ if triton else "none",
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": f"python -m {module} {opts}"}

@@ -17,8 +17,7 @@ up to ``--max-reqs`` and mixed keys of ``--mixed`` tokens, one length bucket of
 
 ``--dynamic`` compiles with `CompileConfig(dynamic=True)` (one compile shared by the batch
 shapes); ``--artifacts`` keeps the compiled step functions in the cache folder too
-(`CompileConfig.artifact_dir`), so the warm start loads them instead of tracing (CPU only:
-a runner on CUDA refuses the folder);
+(`CompileConfig.artifact_dir`), so the warm start loads them instead of tracing;
 ``--regions blocks`` compiles the decoder layers once, shared (`CompileConfig.regions`). Results
 go to ``warm_start_<device>_<model>_<max-reqs>[_dynamic][_aot][_blocks][_threadsN][_warmN]
 .json``, a row per start, whose ``key_s`` lists each key's (requests, tokens, uniform decode,

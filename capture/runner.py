@@ -124,12 +124,6 @@ class GraphRunner:
         config = RunnerConfig() if config is None else config
         if not isinstance(config, RunnerConfig):
             raise TypeError(f"config must be a RunnerConfig, got {type(config).__name__}")
-        if config.compile.artifact_dir is not None and state.device.type == "cuda":
-            raise ValueError(
-                f"CompileConfig.artifact_dir = {str(config.compile.artifact_dir)!r} on CUDA: "
-                "expected None there (a step compiled through the saved path replayed logits "
-                "that failed the float64 reference test on CUDA; inductor's own caches still "
-                "apply)")
         if proposer is not None and not isinstance(proposer, DraftProposer):
             raise TypeError(f"proposer {type(proposer).__name__} has no propose(token_ids, "
                             "req_slots, last_positions, num_drafts)")

@@ -20,12 +20,16 @@ __all__ = ["OutputRings", "StepOutput"]
 class StepOutput:
     """One step's result.
 
+    The device tensors of a replayed step (`logits`, `sampled`, `logprobs`,
+    `num_rejected`) are views of graph memory, valid until the next step: a later
+    replay writes over them (every key's logits share one scratch; a key's other
+    outputs are overwritten by its next replay). ``.clone()`` what must outlive the
+    step; the host futures (`sampled_host`, `emitted_host`) are copies already.
+
     Attributes
     ----------
     logits : torch.Tensor
-        [num_reqs, vocab] at each request's last scheduled token (on CUDA a
-        view of graph memory, valid until the next step: every key's graph
-        writes its logits into memory the others reuse).
+        [num_reqs, vocab] at each request's last scheduled token.
     sampled : torch.Tensor
         int64 [num_reqs] sampled tokens (greedy unless the request's
         SamplingParams say otherwise), already written to the token buffer.

@@ -96,9 +96,8 @@ class CompileConfig:
         guards at each call and is dropped when the code it traced has changed. Needs
         backend "inductor", `fullgraph` and a torch that saves compiled functions
         (`graphattn.artifacts.aot_compile_available`); ValueError when built otherwise.
-        Inductor's kernels are cached apart, in ``TORCHINDUCTOR_CACHE_DIR``. Refused on
-        CUDA by `GraphRunner` (ValueError): there the saved path's replayed logits failed
-        the float64 reference test where the usual compile passes.
+        Inductor's kernels are cached apart, in ``TORCHINDUCTOR_CACHE_DIR``; on CUDA,
+        graphattn's Triton kernels beside them (`graphattn.compile.pin_triton_cache`).
     regions : str
         What one compile covers. "step": the whole device step, one graph (the default;
         fusions across the step). "blocks": the forward's repeated blocks

@@ -21,6 +21,7 @@ def test_result_meta_writes_a_command_that_runs():
     from bench.setup import result_meta
 
     args = argparse.Namespace(models="tiny", lazy=True, verbose=False, sizes=None, out="x")
-    assert result_meta("bench.startup", args)["command"] == (
-        "python -m bench.startup --models tiny --lazy")
+    meta = result_meta("bench.startup", args)
+    assert meta["command"] == "python -m bench.startup --models tiny --lazy"
+    assert set(meta) == {"date", "torch", "triton", "device", "command"}
 
