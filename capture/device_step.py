@@ -116,7 +116,7 @@ class DeviceStep:
         self.piecewise, self.profiler = piecewise, profiler
         self.compiler = self.assembler = None
         self.blocks: list[torch.nn.Module] = []
-        if compile.enabled and compile.backend == "inductor" or piecewise is not None:
+        if (compile.enabled and compile.backend == "inductor") or piecewise is not None:
             pin_triton_cache(state.device)
         if compile.enabled:
             inductor = compile.backend == "inductor"

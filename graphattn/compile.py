@@ -51,7 +51,7 @@ def pin_triton_cache(device: torch.device) -> str | None:
     Inductor sets the variable only when it builds a kernel in the process, which a start
     that loads every compiled graph from inductor's caches never does; graphattn's Triton
     kernels, compiled after the first compile in a cold start, would then be looked up in
-    Triton's default folder in a warm start, miss and compile again (about 0.4 s each).
+    Triton's default folder in a warm start, miss and compile again (0.2-0.9 s each).
     Set before anything compiles, one folder serves both starts.
 
     Returns
