@@ -299,7 +299,7 @@ def replay_policy(sizes: tuple[int, ...], lengths: tuple[int, ...],
                         length_boundaries=tuple(b for b in bounds if b < max_len)), max_len
 
 
-def _mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
+def mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
     """The runner of a runner mode, on the setup's state (each mode group has its own process
     and model)."""
     if mode == "graphattn_graphs":
@@ -347,7 +347,7 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
         if mode not in modes:
             continue
         try:
-            runner = _mode_runner(mode, setup, policy)
+            runner = mode_runner(mode, setup, policy)
             runner.graphs.keep_graphs = True  # node counts
             report = runner.capture(progress=False)
             out(runner_rows(mode, setup, runner, report, cfg, sizes, lengths, steps, bw,

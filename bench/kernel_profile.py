@@ -1,8 +1,10 @@
 """Per-kernel GPU time of one replayed decode step: our compiled graphs against the
-hand-written compiled peer, same weights (a development aid; run it in its own process,
-since the profiler leaves CUPTI attached).
+hand-written compiled peer, same weights, or any runner mode of `bench.graph_replay` (the
+transformers Llama of the same shape: `hf_compiled_pdl`, `hf_fused_pdl`); a development
+aid: run it in its own process, since the profiler leaves CUPTI attached.
 
     python -m bench.kernel_profile [--model tiny] [--batch 1] [--length 512] [--out DIR]
+        [--modes graphattn_compiled_graphs,handwritten_compiled_graph]
 
 Prints, per mode, the kernels of one step grouped by name: launches per step, µs per step,
 and the sum of kernel time against the step's CUDA-event time (the gap is launch/idle time
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.graph_replay import event_times
+from bench.graph_replay import RUNNER_MODES, event_times, mode_runner
 from bench.handwritten import HandwrittenDecode
 from bench.setup import MODELS, fill_requests, make_setup, set_lengths
 from graphattn.buckets import BucketPolicy
@@ -62,44 +64,41 @@ def kernels(fn) -> tuple[dict[str, tuple[float, float]], float, dict[str, float]
     return out, sum(us for _, us in out.values()), gaps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", "--models", default="tiny",
-                    help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
-    ap.add_argument("--batch", type=int, default=1,
-                    help="requests per step")
-    ap.add_argument("--length", type=int, default=512,
-                    help="context length (tokens per request)")
-    ap.add_argument("--out", default=None,
-                    help="folder for the result files")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
-    cfg, n, length = MODELS[args.model], args.batch, args.length
-    max_len = length + 256
+def profile_modes(model: str, n: int, length: int,
+                  modes: tuple[str, ...]) -> dict[str, tuple]:
+    """{mode: (step µs by CUDA events, kernel table, summed kernel µs, idle µs before each
+    kernel)} of one decode step of `n` rows near `length` tokens; runner modes first (the
+    transformers modes last: they replace the model's caches), then the hand-written peer."""
+    cfg, max_len = MODELS[model], length + 256
     policy = BucketPolicy(capture_sizes=(n,), length_boundaries=(max_len,))
-    setup = make_setup("cuda", n, max_len, policy, cfg, compile=True)
+    setup = make_setup("cuda", n, max_len, policy, cfg)
     fill_requests(setup, n, np.full(n, 16, np.int32), np.random.default_rng(0))
-    setup.runner.capture(progress=False)
     lens = np.random.default_rng(1).integers(length - 16, length + 16, n).astype(np.int32)
     sched = SchedulerOutput(np.arange(n, dtype=np.int32), np.ones(n, np.int32))
     results = {}
+    for mode in sorted((m for m in modes if m in RUNNER_MODES), key=lambda m: m.startswith("hf")):
+        runner = mode_runner(mode, setup, policy)
+        runner.capture(progress=False)
+        set_lengths(setup.state, lens)
 
-    def ours():
-        setup.runner.step(sched)
+        def step(runner=runner):
+            runner.step(sched)
 
-    set_lengths(setup.state, lens)
-    results["graphattn_compiled_graphs"] = (float(np.median(event_times(ours, 30))),
-                                            *kernels(ours))
-    model = setup.model
-    model.caches = []
-    setup.runner = None
-    torch.cuda.empty_cache()
-    hw = HandwrittenDecode(model, n, max_len, "default")
-    hw.capture(torch.from_numpy(lens).cuda())
-    results["handwritten_compiled_graph"] = (float(np.median(event_times(hw.replay, 30))),
-                                             *kernels(hw.replay))
+        results[mode] = (float(np.median(event_times(step, 30))), *kernels(step))
+        del runner, step
+    if "handwritten_compiled_graph" in modes:
+        setup.model.caches = []
+        setup.runner = None
+        torch.cuda.empty_cache()
+        hw = HandwrittenDecode(setup.model, n, max_len, "default")
+        hw.capture(torch.from_numpy(lens).cuda())
+        results["handwritten_compiled_graph"] = (float(np.median(event_times(hw.replay, 30))),
+                                                 *kernels(hw.replay))
+    return results
+
+
+def report(results: dict[str, tuple]) -> list[dict]:
+    """Print each mode's 25 longest kernel groups and 12 largest gaps; the rows to save."""
     rows = []
     for mode, (step_us, table, total, gaps) in results.items():
         print(f"\n## {mode}: step {step_us:.1f} µs (CUDA events), kernels {total:.1f} µs, "
@@ -111,11 +110,39 @@ def main() -> None:
             print(f"{us:8.1f} µs  {name}")
         rows.append({"mode": mode, "step_us": step_us, "kernel_us": total,
                      "kernels": {k: list(v) for k, v in table.items()}, "gaps_before": gaps})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "--models", default="tiny",
+                    help="bench model: tiny or 1b (a Llama-3.2-1B shape)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="requests per step")
+    ap.add_argument("--length", type=int, default=512,
+                    help="context length (tokens per request)")
+    ap.add_argument("--modes", default="graphattn_compiled_graphs,handwritten_compiled_graph",
+                    help="comma-separated: runner modes of bench.graph_replay "
+                         f"({', '.join(RUNNER_MODES)}) and handwritten_compiled_graph")
+    ap.add_argument("--out", default=None,
+                    help="folder for the result files")
+    args = ap.parse_args()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = sorted(set(modes) - {*RUNNER_MODES, "handwritten_compiled_graph"})
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}, expected some of {RUNNER_MODES} and "
+                 "handwritten_compiled_graph")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    rows = report(profile_modes(args.model, args.batch, args.length, modes))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, f"kernel_profile_{args.model}_{n}_{length}.json").write_text(
-            json.dumps({"torch": torch.__version__, "batch": n, "length": length,
-                        "rows": rows}, indent=1))
+        tag = "" if set(modes) <= {"graphattn_compiled_graphs", "handwritten_compiled_graph"} \
+            else "_" + "_".join(modes)
+        Path(args.out, f"kernel_profile_{args.model}_{args.batch}_{args.length}{tag}.json"
+             ).write_text(json.dumps({"torch": torch.__version__, "batch": args.batch,
+                                      "length": args.length, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

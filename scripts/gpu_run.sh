@@ -12,7 +12,8 @@
 #   serving        python -m bench.serving (graphs vs eager, spec decode on vs off)
 #   suite          python -m bench (the other scenarios; SUITE_ONLY=a,b picks some)
 #   profile        python -m bench.kernel_profile, tiny 1/512 and 128/2048 (own processes;
-#                  PROFILE_SHAPES="B:L ...", PROFILE_MODEL=1b), inductor's output code beside
+#                  PROFILE_SHAPES="B:L ...", PROFILE_MODEL=1b, PROFILE_MODES=hf_fused_pdl,...),
+#                  inductor's output code beside
 #   warm           python -m bench.warm_start (first, cold and warm compile + capture, default keys;
 #                  WARM_ARGS, default "--model 1b --max-reqs 256 --dynamic --profile")
 #   startup        python -m bench.startup (capture s and pool MiB per key, LM head rows used vs all;
@@ -79,7 +80,8 @@ for part in "$@"; do
       for bl in ${PROFILE_SHAPES:-1:512 128:2048}; do
         TORCH_LOGS=output_code python3 -m bench.kernel_profile --model "${PROFILE_MODEL:-tiny}" \
           --batch "${bl%:*}" \
-          --length "${bl#*:}" --out "$OUT" 2> "$OUT/output_code_${bl/:/_}.txt" \
+          --length "${bl#*:}" ${PROFILE_MODES:+--modes "$PROFILE_MODES"} --out "$OUT" \
+          2> "$OUT/output_code_${bl/:/_}.txt" \
           | tee -a "$OUT/kernel_profile.txt"
         rc=$((rc | PIPESTATUS[0]))
         tail -5 "$OUT/output_code_${bl/:/_}.txt"

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.graph_replay import _mode_runner, merge, replay_policy
+from bench.graph_replay import merge, mode_runner, replay_policy
 from bench.setup import fill_requests, make_setup
 from graphattn.models.tiny import TinyConfig
 from graphattn.state import SchedulerOutput
@@ -20,7 +20,7 @@ def test_hf_llama_of_a_bench_shape_serves_graph_replay_steps():
     policy, max_len = replay_policy((1, 4), (32,), 2)
     setup = make_setup("cpu", 4, max_len, policy, cfg)
     fill_requests(setup, 4, np.full(4, 16, np.int32), np.random.default_rng(0))
-    runner = _mode_runner("hf_graphs", setup, policy)
+    runner = mode_runner("hf_graphs", setup, policy)
     assert type(runner.forward).__name__ == "HFCausalLM" and not setup.model.caches
     runner.capture(progress=False)
     out = runner.step(SchedulerOutput(np.arange(4, dtype=np.int32), np.ones(4, np.int32)))
