@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.graph_replay import RUNNER_MODES, event_times, mode_runner
 from bench.handwritten import HandwrittenDecode
-from bench.setup import MODELS, fill_requests, make_setup, set_lengths
+from bench.setup import MODELS, fill_requests, make_setup, result_meta, set_lengths
 from graphattn.buckets import BucketPolicy
 from graphattn.state import SchedulerOutput
 
@@ -140,9 +140,12 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         tag = "" if set(modes) <= {"graphattn_compiled_graphs", "handwritten_compiled_graph"} \
             else "_" + "_".join(modes)
+        meta = {**result_meta("bench.kernel_profile", args),
+                "device": torch.cuda.get_device_name()}
         Path(args.out, f"kernel_profile_{args.model}_{args.batch}_{args.length}{tag}.json"
-             ).write_text(json.dumps({"torch": torch.__version__, "batch": args.batch,
-                                      "length": args.length, "rows": rows}, indent=1))
+             ).write_text(json.dumps({"meta": meta, "torch": torch.__version__,
+                                      "batch": args.batch, "length": args.length,
+                                      "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
