@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench import host_overhead, profiling_overhead, scenarios
+from bench.setup import triton_version
 
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
 COLUMNS = ("scenario", "mode", "batch", "us_step", "us_p25", "us_p75", "host_dispatch_us",
@@ -108,6 +109,7 @@ def main() -> None:
             rows.append({"scenario": name, "mode": "failed", "error": f"{type(e).__name__}: {e}"})
             tqdm.write(f"{name} failed: {e!r}")
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton_version(),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = (f"# bench results\n\n{meta['date']}, torch {meta['torch']}, {meta['device']}, "

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from bench.graph_replay import _error, event_times, hbm_bandwidth
-from bench.setup import MODELS, add_shape_options
+from bench.setup import MODELS, add_shape_options, triton_version
 from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.buckets import LengthBuckets
@@ -113,7 +113,7 @@ def main() -> None:
     rows = rows_for(args.model, tuple(int(s) for s in args.sizes.split(",")),
                     tuple(int(s) for s in args.lengths.split(",")))
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name()}
+            "triton": triton_version(), "device": torch.cuda.get_device_name()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"flex_layouts_{args.model}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1))

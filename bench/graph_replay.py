@@ -55,6 +55,7 @@ from bench.setup import (
     hf_llama,
     make_setup,
     set_lengths,
+    triton_version,
 )
 from graphattn import CompileConfig, GraphRunner, RunnerConfig
 from graphattn.backends.linear import swap_linears
@@ -454,7 +455,7 @@ def main() -> None:
 
 def save(out: Path, name: str, rows: list[dict]) -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(),
+            "triton": triton_version(), "device": torch.cuda.get_device_name(),
             "command": "python -m bench.graph_replay " + " ".join(sys.argv[1:])}
     (out / f"graph_replay_{name}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -140,8 +140,7 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         tag = "" if set(modes) <= {"graphattn_compiled_graphs", "handwritten_compiled_graph"} \
             else "_" + "_".join(modes)
-        meta = {**result_meta("bench.kernel_profile", args),
-                "device": torch.cuda.get_device_name()}
+        meta = result_meta("bench.kernel_profile", args, device="cuda")
         Path(args.out, f"kernel_profile_{args.model}_{args.batch}_{args.length}{tag}.json"
              ).write_text(json.dumps({"meta": meta, "torch": torch.__version__,
                                       "batch": args.batch, "length": args.length,

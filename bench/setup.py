@@ -95,15 +95,22 @@ def add_shape_options(ap: argparse.ArgumentParser, steps: bool = True) -> None:
         ap.add_argument("--steps", type=int, default=100, help="timed steps per point")
 
 
-def result_meta(module: str, args: argparse.Namespace) -> dict[str, str]:
-    """What a result file says of its run: date, torch and Triton versions, device and the
-    command that repeats it (every option given but --out)."""
-    cuda = getattr(args, "device", "cpu") == "cuda"
+def triton_version() -> str:
+    """The installed Triton's version, or "none"."""
+    found = importlib.util.find_spec("triton")
+    return importlib.import_module("triton").__version__ if found else "none"
+
+
+def result_meta(module: str, args: argparse.Namespace,
+                device: str | None = None) -> dict[str, str]:
+    """What a result file says of its run: date, torch and Triton versions, device (`device`,
+    else ``args.device``; "cuda" is written as the GPU's name) and the command that repeats
+    it (every option given but --out)."""
+    cuda = (device or getattr(args, "device", "cpu")) == "cuda"
     opts = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                     for k, v in vars(args).items()
                     if k != "out" and v is not None and v is not False)
-    triton = importlib.util.find_spec("triton")
     return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": importlib.import_module("triton").__version__ if triton else "none",
+            "triton": triton_version(),
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": f"python -m {module} {opts}"}
