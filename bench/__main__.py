@@ -10,7 +10,6 @@ Uniform decode side by side with its peers is `python -m bench.graph_replay`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench import host_overhead, profiling_overhead, scenarios
-from bench.setup import triton_version
+from bench.setup import result_meta
 
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
 COLUMNS = ("scenario", "mode", "batch", "us_step", "us_p25", "us_p75", "host_dispatch_us",
@@ -108,9 +107,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - keep the other scenarios; the failure is shown
             rows.append({"scenario": name, "mode": "failed", "error": f"{type(e).__name__}: {e}"})
             tqdm.write(f"{name} failed: {e!r}")
-    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton_version(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps}
+    meta = {**result_meta("bench", args, device=device), "steps": steps}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = (f"# bench results\n\n{meta['date']}, torch {meta['torch']}, {meta['device']}, "
           f"{steps} steps; µs are medians with p25 / p75, host_*_us the host time of each "

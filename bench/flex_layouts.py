@@ -13,7 +13,6 @@ replayed 50 times: median µs and the effective bandwidth on the live KV bytes. 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from bench.graph_replay import _error, event_times, hbm_bandwidth
-from bench.setup import MODELS, add_shape_options, triton_version
+from bench.setup import MODELS, add_shape_options, result_meta
 from graphattn.backends.flex import FlexAttentionBuilder, FlexAttentionImpl
 from graphattn.backends.paged import PagedAttentionBuilder, PagedAttentionImpl
 from graphattn.buckets import LengthBuckets
@@ -108,12 +107,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.flex_layouts needs a CUDA GPU")
     rows = rows_for(args.model, tuple(int(s) for s in args.sizes.split(",")),
                     tuple(int(s) for s in args.lengths.split(",")))
-    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton_version(), "device": torch.cuda.get_device_name()}
+    meta = result_meta("bench.flex_layouts", args, device="cuda")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"flex_layouts_{args.model}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -54,8 +54,8 @@ from bench.setup import (
     fill_requests,
     hf_llama,
     make_setup,
+    result_meta,
     set_lengths,
-    triton_version,
 )
 from graphattn import CompileConfig, GraphRunner, RunnerConfig
 from graphattn.backends.linear import swap_linears
@@ -430,6 +430,7 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    meta = result_meta("bench.graph_replay", args, device="cuda")
     for name in args.models.split(","):
         rows: list[dict] = []
         for group in GROUPS:  # one process per group: no compile or CUDA state leaks across
@@ -446,17 +447,14 @@ def main() -> None:
                 rows.append({"model": name, "mode": ",".join(want), "error": proc.stderr[-800:]})
             print(f"{name} {','.join(want)}: {len(got)} rows, rc {proc.returncode}",
                   file=sys.stderr, flush=True)
-            save(out, name, rows)
+            save(out, name, rows, meta)
         if "torch_compile_reduce_overhead" in modes:
             rows += compile_rows(name, sizes, lengths, args.steps)
-            save(out, name, rows)
+            save(out, name, rows, meta)
     merge(out, args.models.split(","))
 
 
-def save(out: Path, name: str, rows: list[dict]) -> None:
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "triton": triton_version(), "device": torch.cuda.get_device_name(),
-            "command": "python -m bench.graph_replay " + " ".join(sys.argv[1:])}
+def save(out: Path, name: str, rows: list[dict], meta: dict[str, str]) -> None:
     (out / f"graph_replay_{name}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1))
 

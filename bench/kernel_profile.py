@@ -142,9 +142,8 @@ def main() -> None:
             else "_" + "_".join(modes)
         meta = result_meta("bench.kernel_profile", args, device="cuda")
         Path(args.out, f"kernel_profile_{args.model}_{args.batch}_{args.length}{tag}.json"
-             ).write_text(json.dumps({"meta": meta, "torch": torch.__version__,
-                                      "batch": args.batch, "length": args.length,
-                                      "rows": rows}, indent=1))
+             ).write_text(json.dumps({"meta": meta, "batch": args.batch,
+                                      "length": args.length, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

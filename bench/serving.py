@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from bench.setup import MODELS, triton_version
+from bench.setup import MODELS, result_meta
 from graphattn import GraphRunner, RunnerConfig
 from graphattn.buckets import BucketPolicy
 from graphattn.models.tiny import TinyDecoder
@@ -237,11 +237,7 @@ def main() -> None:
     ngram_row["same_tokens_as_plain"] = ngram_tokens == greedy
     rows.append(ngram_row)
     bar.close()
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "triton": triton_version(), "device":
-            torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "model": args.model, "command": "python -m bench.serving " + " ".join(
-                f"--{k} {v}" for k, v in vars(args).items() if k != "out")}
+    meta = {**result_meta("bench.serving", args), "model": args.model}
     for r in rows:
         print(json.dumps(r))
     if args.out:

@@ -95,12 +95,6 @@ def add_shape_options(ap: argparse.ArgumentParser, steps: bool = True) -> None:
         ap.add_argument("--steps", type=int, default=100, help="timed steps per point")
 
 
-def triton_version() -> str:
-    """The installed Triton's version, or "none"."""
-    found = importlib.util.find_spec("triton")
-    return importlib.import_module("triton").__version__ if found else "none"
-
-
 def result_meta(module: str, args: argparse.Namespace,
                 device: str | None = None) -> dict[str, str]:
     """What a result file says of its run: date, torch and Triton versions, device (`device`,
@@ -110,7 +104,8 @@ def result_meta(module: str, args: argparse.Namespace,
     opts = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                     for k, v in vars(args).items()
                     if k != "out" and v is not None and v is not False)
+    triton = importlib.util.find_spec("triton")
     return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton_version(),
+            "triton": importlib.import_module("triton").__version__ if triton else "none",
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": f"python -m {module} {opts}"}

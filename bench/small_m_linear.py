@@ -13,7 +13,6 @@ device copy in the same process. Rows with a `shape` time one projection kind al
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from bench.graph_replay import event_times, hbm_bandwidth
-from bench.setup import triton_version
+from bench.setup import result_meta
 from graphattn.backends.linear import GemvConfig, gemv_config, launch_small_m_linear
 
 HIDDEN, QKV, INTER, VOCAB, LAYERS = 2048, 3072, 8192, 128256, 16
@@ -129,9 +128,7 @@ def main() -> None:
     rows = [r for m in ms for r in rows_for(m, weights, head, bw, args.steps, nbytes)]
     rows += [r for m in ms for r in shape_rows(m, weights, head, bw, args.steps)]
     if args.out:
-        meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-                "torch": torch.__version__, "triton": triton_version(),
-                "command": "python -m bench.small_m_linear",
+        meta = {**result_meta("bench.small_m_linear", args, device="cuda"),
                 "weight_bytes": nbytes, "copy_bandwidth": bw}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "small_m_linear.json").write_text(
