@@ -70,8 +70,7 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out",
-                    help="folder for the result files"),
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"),
                     help="folder for results.json, results.md and host_planning.png")
     ap.add_argument("--quick", action="store_true", help="fewer steps and sizes")
     ap.add_argument("--only", default=None,
