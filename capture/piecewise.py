@@ -30,7 +30,7 @@ __all__ = ["PiecewiseCompiler", "SPLITTING_OPS"]
 
 SPLITTING_OPS = ("graphattn::paged_attention", "graphattn::write_kv",
                  "graphattn::rope_write_kv", "graphattn::rope_paged_attention",
-                 "graphattn::cascade_attention")
+                 "graphattn::append_paged_attention", "graphattn::cascade_attention")
 _SPLIT_TARGETS = frozenset(
     t for name in SPLITTING_OPS
     for op in (getattr(torch.ops.graphattn, name.split("::")[1]),)

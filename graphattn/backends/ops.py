@@ -2,9 +2,10 @@
 
 ``torch.ops.graphattn.paged_attention``, ``torch.ops.graphattn.cascade_attention`` (a
 shared prefix read once for a group of rows), ``torch.ops.graphattn.write_kv``,
-``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write) and
-``torch.ops.graphattn.rope_paged_attention`` (both, then the attention: one launch for
-one-token decode rows) are opaque to torch.compile (fake implementations give the shapes),
+``torch.ops.graphattn.rope_write_kv`` (the rotary embedding fused with the write),
+``torch.ops.graphattn.append_paged_attention`` (the write, then the attention: one launch
+for one-token decode rows) and ``torch.ops.graphattn.rope_paged_attention`` (the rotation
+too) are opaque to torch.compile (fake implementations give the shapes),
 so a compiled forward keeps them as single calls: the caches are mutated in place (declared
 in ``mutates_args``) and never copied. The piecewise mode splits compiled graphs at these
 ops. Each op picks its kernel from the device and its `kernel` argument
@@ -26,6 +27,7 @@ from graphattn.backends.reference import (
 )
 from graphattn.backends.rope import apply_rope, cos_sin
 from graphattn.backends.triton_launch import (
+    Append,
     check_contiguous_caches,
     launch_rope_write_kv,
     launch_write_kv,
@@ -33,8 +35,8 @@ from graphattn.backends.triton_launch import (
     triton_cascade,
 )
 
-__all__ = ["cascade_attention", "kv_bounds", "paged_attention", "rope_paged_attention",
-           "rope_write_kv", "write_kv"]
+__all__ = ["append_paged_attention", "cascade_attention", "fuses_decode", "kv_bounds",
+           "paged_attention", "rope_paged_attention", "rope_write_kv", "write_kv"]
 
 
 def kv_bounds(num_kv_blocks: int, max_len: int) -> torch.Tensor:
@@ -240,6 +242,73 @@ def _(k, v, k_cache, v_cache, slot_mapping, kernel, k_scale=1.0, v_scale=1.0):
     return None
 
 
+@torch.library.custom_op("graphattn::append_paged_attention",
+                         mutates_args=("k_cache", "v_cache"))
+def append_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                           num_decodes: int, decode_query_len: int, kv_bounds: torch.Tensor,
+                           window: int, softcap: float, sinks: torch.Tensor | None,
+                           kernel: str, k_scale: float = 1.0, v_scale: float = 1.0,
+                           auto: bool = False) -> torch.Tensor:
+    """`write_kv` then `paged_attention`, fused for a batch of one-token decode rows.
+
+    As `rope_paged_attention` without the rotation (q and k come rotated, or the model has
+    no rotary embedding): a batch whose rows are all one-token decodes runs on CUDA
+    (Triton; K and V of one power-of-two head_dim >= 16) in one launch (plus the split
+    merge) where the write and the attention take two; the path is picked here from the
+    plan's ints, so a compiled caller holds one call for every batch.
+
+    Parameters
+    ----------
+    q : [T, H, D]; k, v : [T, Hkv, D]
+        Any strides; tokens past the last row: padding, output 0.
+    k_cache, v_cache, slot_mapping, k_scale, v_scale
+        As in `write_kv` (caches written in place).
+    query_start_loc, seq_lens (the new tokens counted), block_table, scale, num_decodes,
+    decode_query_len, kv_bounds, window, softcap, sinks, kernel
+        As in `paged_attention`.
+    auto : bool
+        Fuse only where it pays (`graphattn.backends.launch_config.fuse_rope_decode`;
+        default: wherever the kernel can).
+
+    Returns
+    -------
+    torch.Tensor
+        [T, H, D] in q's dtype; 0 for padded tokens.
+    """
+    t, rows = q.shape[0], block_table.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[-1]
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if tuple(x.shape) != (t, hkv, cache.shape[-1]):
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected "
+                             f"{(t, hkv, cache.shape[-1])} (q's tokens, the {name} cache's "
+                             f"heads and head_dim)")
+    if t < num_decodes * decode_query_len:
+        raise ValueError(f"q has {t} tokens, expected >= {num_decodes * decode_query_len} "
+                         f"(num_decodes = {num_decodes} x decode_query_len = "
+                         f"{decode_query_len})")
+    max_len = _read_bounds(kv_bounds)[1]
+    if rows and num_decodes == rows and decode_query_len == 1 and q.shape[-1] == d and \
+            fuses_decode(q.device, d, k_cache, v_cache, rows, hkv, max_len, kernel, auto):
+        check_contiguous_caches("append_paged_attention", k_cache, v_cache)
+        return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                scale, 1, max_len, window, softcap, sinks,
+                                append=Append(k, v, slot_mapping), scales=(k_scale, v_scale))
+    write_kv(k, v, k_cache, v_cache, slot_mapping, kernel, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                           slot_mapping, scale, num_decodes, decode_query_len, kv_bounds,
+                           window, softcap, sinks, kernel, k_scale, v_scale)
+
+
+@append_paged_attention.register_fake
+def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+      num_decodes, decode_query_len, kv_bounds, window, softcap, sinks, kernel, k_scale=1.0,
+      v_scale=1.0, auto=False):
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
 def _check_qkv(qkv: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
                num_kv_heads: int) -> int:
     """head_dim of a fused qkv [T, (H + 2 Hkv) * D] (D = 2 x inv_freq's length); ValueError
@@ -349,15 +418,16 @@ def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
                          f"(num_decodes = {num_decodes} x decode_query_len = "
                          f"{decode_query_len})")
     max_len = _read_bounds(kv_bounds)[1]
-    if rows and num_decodes == rows and decode_query_len == 1 and _fuses(
-            qkv, d, k_cache, v_cache, rows, num_kv_heads, max_len, kernel, auto):
+    if rows and num_decodes == rows and decode_query_len == 1 and fuses_decode(
+            qkv.device, d, k_cache, v_cache, rows, num_kv_heads, max_len, kernel, auto):
         check_contiguous_caches("rope_paged_attention", k_cache, v_cache)
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-        q = qkv.view(t, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
-        return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                scale, 1, max_len, window, softcap, sinks,
-                                rope=(positions, inv_freq, slot_mapping),
-                                scales=(k_scale, v_scale))
+        heads = qkv.view(t, num_heads + 2 * num_kv_heads, d)
+        new = Append(heads[:, num_heads:num_heads + num_kv_heads],
+                     heads[:, num_heads + num_kv_heads:], slot_mapping, positions, inv_freq)
+        return triton_attention(heads[:, :num_heads], k_cache, v_cache, query_start_loc,
+                                seq_lens, block_table, scale, 1, max_len, window, softcap,
+                                sinks, append=new, scales=(k_scale, v_scale))
     q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
                       num_kv_heads, kernel, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -365,13 +435,13 @@ def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
                            window, softcap, sinks, kernel, k_scale, v_scale)
 
 
-def _fuses(qkv: torch.Tensor, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           rows: int, num_kv_heads: int, max_len: int, kernel: str, auto: bool) -> bool:
-    """Whether a batch of `rows` one-token decode rows (head_dim `d`) runs the fused Triton
-    launch."""
-    return (resolve_kernel(kernel, qkv.device) == "triton" and rope_fusable(d, k_cache, v_cache)
-            and (not auto or fuse_rope_decode(rows, num_kv_heads, d, max_len, qkv.device,
-                                              kernel)))
+def fuses_decode(device: torch.device, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: int, num_kv_heads: int, max_len: int, kernel: str, auto: bool) -> bool:
+    """Whether a batch of `rows` one-token decode rows (head_dim `d`, `max_len` the bound) on
+    `device` writes its new K/V inside the attention launch (`append_paged_attention`,
+    `rope_paged_attention`; CPU numbers only)."""
+    return (resolve_kernel(kernel, device) == "triton" and rope_fusable(d, k_cache, v_cache)
+            and (not auto or fuse_rope_decode(rows, num_kv_heads, d, max_len, device, kernel)))
 
 
 @rope_paged_attention.register_fake

@@ -188,9 +188,11 @@ class PagedAttentionImpl:
     kernel : {"auto", "triton", "varlen", "torch"}
         See `graphattn.backends.launch_config`; "auto" is Triton on CUDA, torch elsewhere.
     fuse_rope : bool, optional
-        Whether `forward_qkv` on a batch of one-token decode rows fuses rotation, K/V write
-        and attention into one launch (``torch.ops.graphattn.rope_paged_attention``) or
-        runs `rope_write_kv` then attention, as for every other batch. None: where it pays
+        Whether a batch of one-token decode rows writes its new K/V inside the attention
+        launch: `forward` through ``torch.ops.graphattn.append_paged_attention``,
+        `forward_qkv` through ``torch.ops.graphattn.rope_paged_attention`` (the rotation
+        too), rather than the write (`rope_write_kv` in `forward_qkv`) then attention, as
+        for every other batch. None: where it pays
         (`graphattn.backends.launch_config.fuse_rope_decode`, decided by the op when it
         runs).
     k_scale, v_scale : float
@@ -243,9 +245,17 @@ class PagedAttentionImpl:
             [T, H, D]; padded tokens give 0.
         """
         k_cache, v_cache = kv_cache
-        torch.ops.graphattn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kernel,
-                                     self.k_scale, self.v_scale)
-        return self._attend(q, k_cache, v_cache, meta)
+        if self.fuse_rope is False or meta.shared_prefix:
+            torch.ops.graphattn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kernel,
+                                         self.k_scale, self.v_scale)
+            return self._attend(q, k_cache, v_cache, meta)
+        # the op picks the fused decode path from the plan's ints when it runs (as in
+        # `forward_qkv`)
+        return torch.ops.graphattn.append_paged_attention(
+            q, k, v, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+            meta.slot_mapping, self.scale, meta.num_decodes, meta.decode_query_len,
+            meta.kv_bounds, self.window, self.softcap, self.sinks, self.kernel, self.k_scale,
+            self.v_scale, self.fuse_rope is None)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: PagedAttentionMetadata) -> torch.Tensor:

@@ -131,10 +131,10 @@ def _fold_partial(m_i, l_i, acc, part_out, part_lse, at, m_ok, offs_dv, dv_ok,
 def unified_attention_kernel(
     out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
-    positions, inv_freq, slot_mapping, kv_start,
+    k_new, v_new, positions, inv_freq, slot_mapping, kv_start,
     scale, softcap, window, k_scale, v_scale,
     num_rows, num_heads, num_tokens, num_splits, num_parts, part_base,
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -144,7 +144,7 @@ def unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UNIFORM: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
-    USE_PDL: tl.constexpr, ROPE_APPEND: tl.constexpr,
+    USE_PDL: tl.constexpr, APPEND: tl.constexpr, ROTATE: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr, PREFIX_PARTS: tl.constexpr,
 ):
     """Program (tile x head group, KV head, split) takes G_TILE of the G query heads of its
@@ -160,12 +160,12 @@ def unified_attention_kernel(
     PREFIX_PARTS > 0 (unsplit suffix passes): the softmax starts from parts 0 ..
     PREFIX_PARTS - 1 of `num_parts` (the prefix pass's), so the output is final.
 
-    ROPE_APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two
-    equal to HEAD_DIM_V): `q` is the q-head view of a fused qkv [T, (H + 2 Hkv) * D] (k and
-    v heads follow the q heads of each token); q and the new k are rotated here (NeoX
-    halves, angle positions[t] * inv_freq), the row's last split writes k and v to slot
-    ``slot_mapping[t]`` and seeds its softmax with them from registers, and every split
-    reads the cache below the new position only (no program reads a slot another writes)."""
+    APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two equal
+    to HEAD_DIM_V): each token's new key and value are `k_new` / `v_new` [T, Hkv, D]; the
+    row's last split writes them to slot ``slot_mapping[t]`` and seeds its softmax with
+    them from registers, and every split reads the cache below the new position only (no
+    program reads a slot another writes). ROTATE (with APPEND): q and the new key are
+    rotated here first (NeoX halves, angle positions[t] * inv_freq)."""
     if USE_PDL:  # launched early: the previous kernel done and flushed before any access
         tl.extra.cuda.gdc_wait()
     # the head groups of a tile are neighbours in launch order: they run together and read
@@ -211,23 +211,25 @@ def unified_attention_kernel(
     q_rows = q + tok[:, None] * stride_qt + head[:, None] * stride_qh
     pos = ctx + t  # causal: query at position pos sees keys [lo, pos]
     kv_hi = tl.minimum(ctx + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len), seq_len)
-    if ROPE_APPEND:  # head_dim == D_PAD here: halves load contiguous, no mask along them
+    if APPEND:  # head_dim == D_PAD here: halves load contiguous, no mask along them
         half: tl.constexpr = HEAD_DIM // 2
         offs_h = tl.arange(0, half)
-        ang = tl.load(positions + q_start).to(tl.float32) * tl.load(inv_freq + offs_h)
-        c, sn = _cos_sin(ang)
-        q1, q2 = _rotate(tl.load(q_rows + offs_h[None, :], mask=m_ok[:, None], other=0.0),
-                         tl.load(q_rows + half + offs_h[None, :], mask=m_ok[:, None],
-                                 other=0.0), c[None, :], sn[None, :], q.dtype.element_ty)
+        q1 = tl.load(q_rows + offs_h[None, :], mask=m_ok[:, None], other=0.0)
+        q2 = tl.load(q_rows + half + offs_h[None, :], mask=m_ok[:, None], other=0.0)
+        k_at = k_new + q_start * stride_nkt + kvh * stride_nkh
+        k1 = tl.load(k_at + offs_h).to(q.dtype.element_ty)
+        k2 = tl.load(k_at + half + offs_h).to(q.dtype.element_ty)
+        if ROTATE:
+            ang = tl.load(positions + q_start).to(tl.float32) * tl.load(inv_freq + offs_h)
+            c, sn = _cos_sin(ang)
+            q1, q2 = _rotate(q1, q2, c[None, :], sn[None, :], q.dtype.element_ty)
+            k1, k2 = _rotate(k1, k2, c, sn, q.dtype.element_ty)
         qv = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, D_PAD))
-        k_at = q + q_start * stride_qt + (num_heads + kvh) * stride_qh
-        k1, k2 = _rotate(tl.load(k_at + offs_h), tl.load(k_at + half + offs_h), c, sn,
-                         q.dtype.element_ty)
         k1 = _to_cache(k1, k_scale, k_cache.dtype.element_ty, FP8)
         k2 = _to_cache(k2, k_scale, k_cache.dtype.element_ty, FP8)
-        v_new = _to_cache(tl.load(q + q_start * stride_qt + (num_heads + num_heads // G
-                                                            + kvh) * stride_qh + offs_dv,
-                                  mask=dv_ok, other=0.0), v_scale, v_cache.dtype.element_ty, FP8)
+        v_row = _to_cache(tl.load(v_new + q_start * stride_nvt + kvh * stride_nvh + offs_dv,
+                                  mask=dv_ok, other=0.0).to(q.dtype.element_ty), v_scale,
+                          v_cache.dtype.element_ty, FP8)
         last = split == num_splits - 1
         new_slot = tl.load(slot_mapping + q_start)
         w_ok = last & (new_slot >= 0) & (h0 == kvh * G)  # one head group writes
@@ -236,7 +238,7 @@ def unified_attention_kernel(
         tl.store(k_to + offs_h, k1, mask=w_ok)
         tl.store(k_to + half + offs_h, k2, mask=w_ok)
         tl.store(v_cache + new_slot // PAGE * stride_vb + new_slot % PAGE * stride_vs
-                 + kvh * stride_vh + offs_dv, v_new, mask=dv_ok & w_ok)
+                 + kvh * stride_vh + offs_dv, v_row, mask=dv_ok & w_ok)
         s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1) + tl.sum(
             q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1)
         kv_hi = ctx  # the new position comes from registers
@@ -267,12 +269,12 @@ def unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    if ROPE_APPEND:  # the softmax starts from the new key (last split), so nothing of it
+    if APPEND:  # the softmax starts from the new key (last split), so nothing of it
         # stays live through the loop
         m_i = tl.where(m_ok & last, _log2_logits(s_new, scale, softcap, USE_SOFTCAP),
                        float("-inf"))
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
-        acc = l_i[:, None] * v_new.to(tl.float32)[None, :]
+        acc = l_i[:, None] * v_row.to(tl.float32)[None, :]
     for part_i in tl.static_range(PREFIX_PARTS):
         m_i, l_i, acc = _fold_partial(
             m_i, l_i, acc, part_out, part_lse, (tok * num_heads + head) * num_parts + part_i,

@@ -3,6 +3,8 @@ use): grid, tiles and constexprs from CPU numbers only, never a host read of dev
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from graphattn.backends.launch_config import (
@@ -21,8 +23,31 @@ from graphattn.backends.launch_config import (
 )
 from graphattn.backends.reference import is_fp8
 
-__all__ = ["check_contiguous_caches", "indexer_scores", "launch_rope_write_kv",
+__all__ = ["Append", "check_contiguous_caches", "indexer_scores", "launch_rope_write_kv",
            "launch_shared_prefix", "launch_write_kv", "triton_attention", "triton_cascade"]
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """The new token of each one-token decode row, written inside the attention launch.
+
+    Attributes
+    ----------
+    k, v : [T, Hkv, D]
+        Each token's new key and value (any strides along T and the heads).
+    slot_mapping : int64 [>= T]
+        Their cache slots (-1: no write).
+    positions : int64 [T], optional
+    inv_freq : float32 [D / 2], optional
+        Both given: q and the new key are rotated in the launch first (NeoX halves, angle
+        positions[t] * inv_freq; `rope_paged_attention`); both None: they come rotated.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -68,7 +93,7 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_table: torch.Tensor, scale: float, uniform_query_len: int,
                      max_len: int, window: int, softcap: float, sinks: torch.Tensor | None,
                      config: TritonConfig | None = None,
-                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     append: Append | None = None,
                      kv_start: torch.Tensor | None = None,
                      parts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                      scales: tuple[float, float] = (1.0, 1.0),
@@ -80,9 +105,9 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     `uniform_query_len`: every row has that many tokens (0: mixed rows); `max_len`: the
     bound of every row's length; `config`: the launch config (default `decode_config` for
-    uniform rows, `PREFILL_CONFIG` otherwise); `rope`: (positions, inv_freq, slot_mapping) of
-    a one-token decode launch whose `q` is the q-head view of a fused qkv
-    (`rope_paged_attention`); `kv_start`: int32 [rows], each row's first key (default 0);
+    uniform rows, `PREFILL_CONFIG` otherwise); `append`: the new K/V of a one-token decode
+    launch, written by it (`Append`; `append_paged_attention`, `rope_paged_attention`);
+    `kv_start`: int32 [rows], each row's first key (default 0);
     `parts`: (part [T, H, P, DV_PAD], part_lse [T, H, P], base): write the splits' partials
     at parts base, base + 1, ... and merge nothing (returns None; `triton_cascade`);
     `prefix`: (part [T, H, S, DV_PAD], part_lse [T, H, S]) of a prefix pass, which each
@@ -92,19 +117,23 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     caller's `_attention_launch` of this call. Returns [T, H, Dv] in q's dtype (0: padded).
     """
     (t, h, d), dv, rows = q.shape, v_cache.shape[-1], block_table.shape[0]
-    if rope is not None and not (uniform_query_len == 1 and rope_fusable(d, k_cache, v_cache)):
-        raise ValueError(f"the fused rotary decode takes one-token rows and a power-of-two "
+    if append is not None and not (uniform_query_len == 1
+                                   and rope_fusable(d, k_cache, v_cache)):
+        raise ValueError(f"the fused K/V append takes one-token rows and a power-of-two "
                          f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
                          f"head_dim {d}, V head_dim {dv}")
     if t == 0 or rows == 0:
         return None if parts is not None else q.new_zeros(t, h, dv)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if append is not None and (append.k.stride(-1) != 1 or append.v.stride(-1) != 1):
+        append = replace(append, k=append.k.contiguous(), v=append.v.contiguous())
     cfg, num_tiles, num_splits, consts = launch or _attention_launch(
         q, k_cache, v_cache, rows, uniform_query_len, max_len, config)
     consts = dict(consts, USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
                   USE_SINKS=sinks is not None and parts is None,
                   USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
-                  SPLIT=num_splits > 1 or parts is not None, ROPE_APPEND=rope is not None,
+                  SPLIT=num_splits > 1 or parts is not None, APPEND=append is not None,
+                  ROTATE=append is not None and append.inv_freq is not None,
                   PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1])
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]
@@ -113,16 +142,25 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     groups = consts["G"] // consts["G_TILE"]
     _launch_unified(cfg, (num_tiles * groups, k_cache.shape[2], num_splits), consts, out, part,
                     part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                    sink_arg, *(rope or (seq_lens,) * 3),
+                    sink_arg, *_append_args(append, q, seq_lens),
                     seq_lens if kv_start is None else kv_start, scale * scales[0],
                     softcap if softcap > 0 else 1.0, window, *map(float, scales), rows, h, t,
-                    num_splits, num_parts, base)
+                    num_splits, num_parts, base, append=append)
     if parts is not None:
         return None
     if num_splits > 1:
         _merge_splits(out, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
                       consts["DV_PAD"], sinks is not None, cfg.pdl)
     return out
+
+
+def _append_args(append: Append | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
+    """The kernel's k_new, v_new, positions, inv_freq and slot_mapping arguments (unused
+    ones: a placeholder tensor)."""
+    if append is None:
+        return (q, q, seq_lens, seq_lens, seq_lens)
+    rot = (append.positions, append.inv_freq) if append.inv_freq is not None else (seq_lens,) * 2
+    return (append.k, append.v, *rot, append.slot_mapping)
 
 
 def _partials(out: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, int] | None,
@@ -148,14 +186,16 @@ def _partials(out: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, int] |
 def _launch_unified(cfg: TritonConfig, grid: tuple[int, int, int], consts: dict,
                     out: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor,
                     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, *args: object) -> None:
+                    block_table: torch.Tensor, *args: object,
+                    append: Append | None = None) -> None:
     """`unified_attention_kernel` over `grid`; `args`: its arguments from seq_lens to
     part_base, in its order."""
     from graphattn.backends.triton_kernels import unified_attention_kernel
 
+    new = (0,) * 4 if append is None else (*append.k.stride()[:2], *append.v.stride()[:2])
     unified_attention_kernel[grid](
         out, part, part_lse, q, k_cache, v_cache, block_table, *args,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), *new, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=cfg.pdl, **consts)

@@ -15,7 +15,7 @@ from graphattn.backends.reference import (
     gather_paged_attention,
     to_cache_values,
 )
-from graphattn.backends.triton_launch import triton_attention
+from graphattn.backends.triton_launch import Append, triton_attention
 from graphattn.sync import no_host_sync
 from tests.graphattn.backends.harness import Scenario, dense_attention
 
@@ -514,6 +514,23 @@ def _decode_qkv_case(device, dtype, lens=(1, 37, 64, 13), h=8, hkv=2, d=32, bs=8
                                    bt, slots)]
 
 
+def rope_append(case, h, hkv):
+    """The `Append` of `_decode_qkv_case`: its new K/V (views of qkv), slots and rotary."""
+    qkv, pos, inv, *_, slots = case
+    heads = qkv.view(qkv.shape[0], h + 2 * hkv, -1)
+    return Append(heads[:, h:h + hkv], heads[:, h + hkv:], slots, pos, inv)
+
+
+def _rotated_qkv(case, h, hkv):
+    """qkv of `_decode_qkv_case` with q and k rotated as `_decode_qkv_reference` rotates them
+    (rounded to the dtype): a model that applies its own rotary embedding."""
+    qkv, pos = case[0], case[1].cpu()
+    t, d = qkv.shape[0], case[3].shape[-1]
+    x = qkv.double().cpu().view(t, h + 2 * hkv, d).clone()
+    x[:, :h + hkv] = _rope_reference(x[:, :h + hkv], pos, 1e4)
+    return x.view(t, -1).to(qkv.dtype).to(qkv.device)
+
+
 def _decode_qkv_reference(case, h, hkv, window, softcap, sinks):
     """float64 output and caches of `_decode_qkv_case` (rotations rounded to the dtype)."""
     qkv, pos, _, kc, vc, qsl, seq, bt, slots = (x.cpu() for x in case)
@@ -550,7 +567,7 @@ def check_head_groups(device: str, dtype: torch.dtype, tol: float) -> None:
             out = triton_attention(q, k2, v2, qsl, seq, bt, 32 ** -0.5, 1, 64, 0, 0.0, None,
                                    config=TritonConfig(block_n=16, waves=waves,
                                                        head_tile=tile),
-                                   rope=(pos, inv, slots))
+                                   append=rope_append(case, h, hkv))
         torch.testing.assert_close(out[:rows].double().cpu(), ref[:rows], rtol=tol, atol=tol)
         assert out[rows:].abs().sum().item() == 0
         torch.testing.assert_close(k2.double().cpu(), kref, rtol=tol, atol=tol)
@@ -622,12 +639,14 @@ def test_mla_latent_decode_runs_in_head_groups_on_cuda():
     pytest.param("cuda", torch.bfloat16, True, 2e-2, marks=pytest.mark.cuda),
     pytest.param("cuda", torch.bfloat16, False, 2e-2, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("q_lens", [None, (1, 5, 3, 2)], ids=["decode", "mixed"])
+@pytest.mark.parametrize("rotated", [False, True], ids=["rope", "rotated"])
 def test_rope_paged_attention_matches_float64_reference(feature, device, dtype, split, tol,
-                                                        q_lens, monkeypatch):
+                                                        q_lens, rotated, monkeypatch):
     """Rotation, the K/V write and attention in one op: one-token decode rows (one Triton
     launch + merge on CUDA, split or not) and mixed rows (the write, then attention):
     output, written slots and untouched slots against float64; on CUDA again from a
-    captured graph replayed at new device lengths."""
+    captured graph replayed at new device lengths. `rotated`: q and k come rotated, through
+    `append_paged_attention` (the write and attention alone), against the same reference."""
     if not split:
         monkeypatch.setattr(triton_launch, "decode_config",
                             lambda programs, pdl=False, kv_bytes=2: TritonConfig(
@@ -639,10 +658,15 @@ def test_rope_paged_attention_matches_float64_reference(feature, device, dtype, 
 
     def run(case):
         rows = case[7].shape[0]
+        tail = (32 ** -0.5, 0 if q_lens else rows, 1, kv_bounds(nblk, nblk * bs), window,
+                softcap, sinks, "auto")
         with no_host_sync():
+            if rotated:  # q and k come rotated: the write and attention alone
+                heads = _rotated_qkv(case, h, hkv).view(case[0].shape[0], h + 2 * hkv, -1)
+                return torch.ops.graphattn.append_paged_attention(
+                    heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:], *case[3:], *tail)
             return torch.ops.graphattn.rope_paged_attention(
-                *case, 32 ** -0.5, h, hkv, 0 if q_lens else rows, 1,
-                kv_bounds(nblk, nblk * bs), window, softcap, sinks, "auto")
+                *case, tail[0], h, hkv, *tail[1:])
 
     def check(case, out, before):
         ref, kref, vref = _decode_qkv_reference([*case[:3], *before, *case[5:]], h, hkv,
@@ -694,11 +718,37 @@ def test_rope_paged_attention_agrees_with_its_fake_and_refuses_bad_input_unchang
     assert torch.equal(case[3], before[0]) and torch.equal(case[4], before[1])
     qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
     q = qkv.view(qkv.shape[0], h + 2 * hkv, 32)[:, :h]
-    with pytest.raises(ValueError, match="fused rotary decode takes one-token rows and a "
+    with pytest.raises(ValueError, match="fused K/V append takes one-token rows and a "
                                          "power-of-two head_dim >= 16 for K and V; got query "
                                          "length 2, head_dim 32, V head_dim 32"):
         triton_attention(q, kc, vc, qsl, seq, bt, 0.2, 2, 64, 0, 0.0, None,
-                              rope=(pos, inv, slots))
+                         append=rope_append(case, h, hkv))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_append_paged_attention_agrees_with_its_fake_and_refuses_bad_input_unchanged(device):
+    case = _decode_qkv_case(device, torch.float32)
+    h, hkv, rows = 8, 2, case[7].shape[0]
+    heads = case[0].view(case[0].shape[0], h + 2 * hkv, 32)
+    q, k, v = heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:]
+    tail = (0.2, rows, 1, kv_bounds(8, 64), 0, 0.0, None, "auto")
+    op = torch.ops.graphattn.append_paged_attention
+    if device == "meta":
+        out = op(q, k, v, *case[3:], *tail)
+        assert out.shape == (q.shape[0], h, 32) and out.device.type == "meta"
+        return
+    torch.library.opcheck(op.default, (q, k, v, *case[3:], *tail))
+    before = [case[3].clone(), case[4].clone()]
+    with pytest.raises(ValueError, match=r"v has shape \(6, 1, 32\), expected \(6, 2, 32\) "
+                                         r"\(q's tokens, the v cache's heads and head_dim\)"):
+        op(q, k, v[:, :1], *case[3:], *tail)
+    with pytest.raises(ValueError, match=r"q has 3 tokens, expected >= 4 \(num_decodes = 4 "
+                                         r"x decode_query_len = 1\)"):
+        op(q[:3], k[:3], v[:3], *case[3:], *tail)
+    with pytest.raises(ValueError, match="kv_bounds must be an int64 CPU tensor"):
+        op(q, k, v, *case[3:], *tail[:3], kv_bounds(8, 64).to(device).float()[None],
+           *tail[4:])
+    assert torch.equal(case[3], before[0]) and torch.equal(case[4], before[1])
 
 
 def test_fuse_rope_decode_where_few_programs_split_the_kv_axis(monkeypatch):

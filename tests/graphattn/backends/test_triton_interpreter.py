@@ -2,7 +2,8 @@
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged; programs
 taking part of a KV head's query heads),
-the K/V write, the fused rope + write + decode attention (an fp8 cache too), the rotation
+the K/V write, the fused rope + write + decode attention (an fp8 cache too) and the write
++ decode attention of rotated q and k, the rotation
 at far positions, the sparse indexer's scores over the paged index cache and its attention
 over the selection (one-slot pages), and shared-prefix attention (the prefix pass and the
 suffix pass from each row's start, uniform and mixed rows), and the small-M GEMV.
@@ -108,10 +109,22 @@ def _check_attention() -> None:
             out = triton_launch.triton_attention(q, kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64,
                                         f.get("window", 0), f.get("softcap", 0.0), sinks,
                                         config=launch_config.TritonConfig(block_n=16, waves=waves),
-                                        rope=(pos, inv, slots))
+                                        append=t.rope_append(case, h, hkv))
             rows = bt.shape[0]
             torch.testing.assert_close(out[:rows].double(), ref[:rows], rtol=1e-4, atol=1e-4)
             assert out[rows:].abs().sum().item() == 0
+            torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vc.double(), vref)
+            # q and k rotated already: the launch writes K/V and attends without rotating
+            case = t._decode_qkv_case("cpu", torch.float32)
+            heads = t._rotated_qkv(case, h, hkv).view(qkv.shape[0], h + 2 * hkv, -1)
+            kc, vc = case[3], case[4]
+            out = triton_launch.triton_attention(
+                heads[:, :h], kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64, f.get("window", 0),
+                f.get("softcap", 0.0), sinks,
+                config=launch_config.TritonConfig(block_n=16, waves=waves),
+                append=triton_launch.Append(heads[:, h:h + hkv], heads[:, h + hkv:], slots))
+            torch.testing.assert_close(out[:rows].double(), ref[:rows], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
     t.check_head_groups("cpu", torch.float32, 1e-4)  # programs taking part of a KV group
