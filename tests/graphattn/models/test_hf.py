@@ -92,6 +92,21 @@ def test_compiled_llama_compiles_once_per_batch_shape_on_cpu():
     assert runners[0].compiler.num_compiles == 3
 
 
+def test_compiled_llama_writes_kv_inside_its_attention_op():
+    """Inductor's code of the wrapped model calls `append_paged_attention` once a layer (the
+    K/V write of decode rows joins the attention launch on CUDA) and neither `write_kv` nor
+    any copy of a cache."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, runner, _ = make("cpu", torch.float32, CompileConfig(enabled=True),
+                        BucketPolicy(capture_sizes=(1,)))
+    _, codes = run_and_get_code(runner.capture, progress=False)
+    code = "\n".join(codes)
+    assert code.count("torch.ops.graphattn.append_paged_attention.default(") == 2  # 2 layers
+    assert "graphattn.write_kv" not in code and "index_copy" not in code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("regions", ["step", "blocks"])
 def test_dynamic_compile_serves_decode_and_mixed_keys_of_llama_from_one_compile(regions):
