@@ -16,6 +16,9 @@ the batch shapes share one compile),
 `graphattn_gemv` (`graphattn_compiled_pdl` with the projections of up to 16 rows through
 the Triton GEMV, `graphattn.backends.linear.swap_linears`),
 `graphattn_fp8kv` (the same over a float8_e4m3fn KV cache; its floor counts 1-byte KV),
+`graphattn_small_m` (`graphattn_compiled_pdl` with `TinyDecoder.small_m`: batches of up
+to 16 tokens run each projection as the Triton GEMV with the residual add and norm before
+it, and the gated activation after the up projection, in the same launch),
 `hf_graphs` / `hf_compiled_pdl` (a transformers `LlamaForCausalLM` of the same shape, tied
 embeddings, through `HFCausalLM`: its own forward in our graphs, eager or compiled with
 programmatic dependent launch; the same weight bytes in the floor), `hf_fused_pdl`
@@ -69,8 +72,8 @@ from graphattn.state import SchedulerOutput
 WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
                 "graphattn_compiled_dynamic", "graphattn_compiled_blocks", "graphattn_gemv",
-                "graphattn_fp8kv", "graphattn_compiled_combo", "hf_graphs", "hf_compiled_pdl",
-                "hf_fused_pdl", "hf_fused_combo")
+                "graphattn_fp8kv", "graphattn_small_m", "graphattn_compiled_combo", "hf_graphs",
+                "hf_compiled_pdl", "hf_fused_pdl", "hf_fused_combo")
 COMBO = {"combo_kernels": True}  # inductor options of the *_combo modes
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
@@ -282,8 +285,8 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
 GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
           ("graphattn_compiled_dynamic",), ("graphattn_compiled_blocks",), ("graphattn_gemv",),
-          ("graphattn_fp8kv",), ("graphattn_compiled_combo",), ("hf_graphs",),
-          ("hf_compiled_pdl",), ("hf_fused_pdl",), ("hf_fused_combo",),
+          ("graphattn_fp8kv",), ("graphattn_small_m",), ("graphattn_compiled_combo",),
+          ("hf_graphs",), ("hf_compiled_pdl",), ("hf_fused_pdl",), ("hf_fused_combo",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -315,6 +318,7 @@ def mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
         setup.model.allocate_caches(k0.shape[0] - 1, k0.shape[1], "fp8_e4m3")
     if mode == "graphattn_gemv":
         swap_linears(setup.model)
+    setup.model.small_m = mode == "graphattn_small_m"
     if mode.startswith("hf_"):
         forward = hf_llama(k0.device, k0.dtype, setup.model.cfg)
         if mode.startswith("hf_fused"):
@@ -323,7 +327,8 @@ def mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
         forward.allocate_caches(k0.shape[0] - 1, k0.shape[1])
     compile_cfg = CompileConfig(enabled=mode != "hf_graphs", pdl=mode in (
         "graphattn_compiled_pdl", "graphattn_compiled_dynamic", "graphattn_compiled_blocks",
-        "graphattn_gemv", "graphattn_compiled_combo", "hf_compiled_pdl", "hf_fused_pdl",
+        "graphattn_gemv", "graphattn_small_m", "graphattn_compiled_combo", "hf_compiled_pdl",
+        "hf_fused_pdl",
         "hf_fused_combo"),
         dynamic=mode in ("graphattn_compiled_dynamic", "graphattn_compiled_blocks"),
         regions="blocks" if mode == "graphattn_compiled_blocks" else "step",

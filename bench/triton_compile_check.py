@@ -43,7 +43,7 @@ POINTERS = {
     "v": "*bf16", "slot_mapping": "*i64", "qkv": "*bf16", "positions": "*i64",
     "inv_freq": "*fp32", "q_out": "*bf16", "kv_start": "*i32", "shared_rows": "*i32",
     "score": "*fp32", "q_idx": "*bf16", "weights": "*fp32", "idx_cache": "*bf16",
-    "row_of": "*i32", "pos_of": "*i32",
+    "row_of": "*i32", "pos_of": "*i32", "k_new": "*bf16", "v_new": "*bf16",
 }
 FP8_CACHES = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
 FLOATS = {"scale", "softcap", "k_scale", "v_scale"}
@@ -89,7 +89,7 @@ def _attention(target: GPUTarget) -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, USE_PDL=pdl,
-                      ROPE_APPEND=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0)
+                      APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in SHAPE},
@@ -101,9 +101,9 @@ def _attention(target: GPUTarget) -> None:
             continue  # 256-key tiles: fp8 only (a config a caller may pass)
         consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      USE_PDL=True, ROPE_APPEND=rope, USE_KV_START=False,
+                      USE_PDL=True, APPEND=rope, ROTATE=rope, USE_KV_START=False,
                       FP8=fp8, PREFIX_PARTS=0)
-        print("decode", {"ROPE_APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
+        print("decode", {"APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True))
 
@@ -116,7 +116,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
         consts = dict(G=128, G_TILE=16, HEAD_DIM=576, HEAD_DIM_V=512, D_PAD=1024,
                       DV_PAD=512, PAGE=64, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=16, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      USE_PDL=True, ROPE_APPEND=False, USE_KV_START=False, FP8=False,
+                      USE_PDL=True, APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False,
                       PREFIX_PARTS=0)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=True)
@@ -130,7 +130,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=not fold, USE_SOFTCAP=False,
                       USE_WINDOW=False, USE_SINKS=False, USE_PDL=uniform,
-                      ROPE_APPEND=False, USE_KV_START=True, FP8=fp8,
+                      APPEND=False, ROTATE=False, USE_KV_START=True, FP8=fp8,
                       PREFIX_PARTS=5 if fold else 0)
         print("suffix", {"UNIFORM": uniform, "fp8": fp8, "PREFIX_PARTS": consts["PREFIX_PARTS"]},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
@@ -147,7 +147,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
 def _small_kernels(target: GPUTarget) -> None:
     """The split merge, the KV writes, the small-M GEMV and DeepSeek-V3.2's indexer."""
     for sinks, pdl in itertools.product((False, True), repeat=2):
-        consts = dict(HEAD_DIM_V=64, DV_PAD=64, NUM_SPLITS=3, S_PAD=4, USE_SINKS=sinks,
+        consts = dict(HEAD_DIM_V=64, DV_PAD=64, S_PAD=4, USE_SINKS=sinks,
                       USE_PDL=pdl)
         print("merge", consts, build(merge_splits_kernel, consts, target, num_warps=4,
                                      launch_pdl=pdl))
@@ -160,11 +160,16 @@ def _small_kernels(target: GPUTarget) -> None:
                     target, FP8_CACHES if fp8 else None, num_warps=4, launch_pdl=pdl)
         print("rope_write_kv", {"pdl": pdl, "fp8": fp8}, got)
         assert got["pdl_wait"] == pdl
-    for m_pad, block_n in ((1, 8), (1, 16), (16, 16), (16, 32)):  # the small-M GEMV
-        print("small_m_linear", {"M_PAD": m_pad, "BLOCK_N": block_n}, build(
+    gemv = {"x": "*bf16", "w": "*bf16", "y": "*bf16", "delta": "*bf16", "gamma": "*bf16",
+            "h_out": "*bf16"}
+    for m_pad, block_n, fused in ((1, 8, False), (1, 16, False), (16, 16, False),
+                                  (16, 32, False), (1, 8, True), (16, 16, True)):
+        # the small-M GEMV, plain or with the residual add, norm and gated epilogue
+        print("small_m_linear", {"M_PAD": m_pad, "BLOCK_N": block_n, "fused": fused}, build(
             small_m_linear_kernel, dict(K=2048, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=256,
-                                        USE_PDL=False, IEEE=False),
-            target, {"x": "*bf16", "w": "*bf16", "y": "*bf16"}, num_warps=4, num_stages=3))
+                                        USE_PDL=False, IEEE=False, ADD=fused, NORM=fused,
+                                        GLU=fused),
+            target, gemv, num_warps=4, num_stages=3))
     for ieee in (False, True):  # DeepSeek-V3.2's indexer: 64 heads x 128 (bf16; float32)
         f32 = {"q_idx": "*fp32", "idx_cache": "*fp32"} if ieee else None
         print("indexer_scores", {"IEEE": ieee}, build(indexer_scores_kernel, dict(

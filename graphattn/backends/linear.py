@@ -21,8 +21,9 @@ from torch import nn
 
 from graphattn.backends.launch_config import device_index, has_pdl, has_triton, num_sms, pow2
 
-__all__ = ["MAX_M", "GemvConfig", "SmallMLinear", "gemv_config", "small_m_linear",
-           "swap_linears", "use_small_m_linear"]
+__all__ = ["MAX_M", "GemvConfig", "GemvPrologue", "SmallMLinear", "add_norm_linear",
+           "gemv_config", "norm_linear", "small_m_linear", "swap_linears",
+           "use_small_m_linear"]
 
 MAX_M = 16
 
@@ -91,12 +92,122 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@dataclass(frozen=True, slots=True)
+class GemvPrologue:
+    """What `small_m_linear_kernel` does to its input rows before the product.
+
+    Attributes
+    ----------
+    delta : [M, K], optional
+        Added to x first (a residual stream's pending update); the sum, rounded to x's
+        dtype, is written to `h_out` [M, K].
+    gamma : [K], optional
+        RMSNorm of the (summed) rows with this weight and `eps`, in float32.
+    eps : float
+    glu : bool
+        The weight holds 2 N rows, gate then up; the output is silu(gate) * up [M, N].
+    """
+
+    delta: torch.Tensor | None = None
+    h_out: torch.Tensor | None = None
+    gamma: torch.Tensor | None = None
+    eps: float = 0.0
+    glu: bool = False
+
+
+def _norm_linear_torch(h: torch.Tensor, gamma: torch.Tensor, eps: float, weight: torch.Tensor,
+                       glu: bool) -> torch.Tensor:
+    y = nn.functional.linear(nn.functional.rms_norm(h, (h.shape[-1],), gamma, eps), weight)
+    if glu:
+        g, u = y.chunk(2, -1)
+        y = nn.functional.silu(g) * u
+    return y
+
+
+def _check_norm_linear(x: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
+                       glu: bool) -> None:
+    k = x.shape[-1]
+    if x.dim() != 2 or tuple(gamma.shape) != (k,) or weight.dim() != 2 or \
+            weight.shape[1] != k or (glu and weight.shape[0] % 2):
+        raise ValueError(f"x [M, K], gamma [K] and weight [N, K] ([2 N, K] with glu) "
+                         f"expected; got x {list(x.shape)}, gamma {list(gamma.shape)}, "
+                         f"weight {list(weight.shape)}, glu {glu}")
+
+
+@torch.library.custom_op("graphattn::norm_linear", mutates_args=())
+def norm_linear(x: torch.Tensor, gamma: torch.Tensor, eps: float, weight: torch.Tensor,
+                glu: bool) -> torch.Tensor:
+    """``linear(rms_norm(x, gamma, eps), weight)`` for few rows, one launch on CUDA.
+
+    Parameters
+    ----------
+    x : [M, K]; gamma : [K]; weight : [N, K], or [2 N, K] (gate rows, then up) with `glu`
+    eps : float
+    glu : bool
+        Return silu(gate) * up [M, N] (a gated MLP's activation) instead of the product.
+
+    Returns
+    -------
+    torch.Tensor
+        [M, N] in x's dtype: the Triton GEMV where `use_small_m_linear` holds (the norm in
+        its prologue: every program normalizes the rows itself), else plain torch.
+    """
+    _check_norm_linear(x, gamma, weight, glu)
+    if not use_small_m_linear(x, weight):
+        return _norm_linear_torch(x, gamma, eps, weight, glu)
+    return launch_small_m_linear(x, weight, prologue=GemvPrologue(gamma=gamma, eps=eps,
+                                                                  glu=glu))
+
+
+@norm_linear.register_fake
+def _(x, gamma, eps, weight, glu):
+    return x.new_empty(x.shape[0], weight.shape[0] // (2 if glu else 1))
+
+
+@torch.library.custom_op("graphattn::add_norm_linear", mutates_args=())
+def add_norm_linear(x: torch.Tensor, delta: torch.Tensor, gamma: torch.Tensor, eps: float,
+                    weight: torch.Tensor, glu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + delta`` and ``norm_linear(h, gamma, eps, weight, glu)`` in one launch on
+    CUDA: a residual add, the next norm and the projection after it.
+
+    Parameters
+    ----------
+    x, delta : [M, K]
+        The residual stream and its pending update, same dtype.
+    gamma, eps, weight, glu
+        As in `norm_linear`.
+
+    Returns
+    -------
+    (h [M, K], y [M, N])
+        h rounded to x's dtype (the next residual stream), y as `norm_linear`'s.
+    """
+    _check_norm_linear(x, gamma, weight, glu)
+    if tuple(delta.shape) != tuple(x.shape) or delta.dtype != x.dtype:
+        raise ValueError(f"delta must match x: got {list(delta.shape)} {delta.dtype}, x "
+                         f"{list(x.shape)} {x.dtype}")
+    if not use_small_m_linear(x, weight) or delta.stride(-1) != 1:
+        h = x + delta
+        return h, _norm_linear_torch(h, gamma, eps, weight, glu)
+    h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = launch_small_m_linear(x, weight, prologue=GemvPrologue(delta, h, gamma, eps, glu))
+    return h, y
+
+
+@add_norm_linear.register_fake
+def _(x, delta, gamma, eps, weight, glu):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(x.shape[0], weight.shape[0] // (2 if glu else 1)))
+
+
 def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
-                          config: GemvConfig | None = None) -> torch.Tensor:
-    """`small_m_linear_kernel` over ceil(N / block_n) programs; returns [M, N]."""
+                          config: GemvConfig | None = None,
+                          prologue: GemvPrologue = GemvPrologue()) -> torch.Tensor:
+    """`small_m_linear_kernel` over ceil(N / block_n) programs; returns [M, N] (N: the
+    weight's rows, half of them with `prologue.glu`)."""
     from graphattn.backends.triton_kernels import small_m_linear_kernel
 
-    (m, k), n = x.shape, weight.shape[0]
+    (m, k), n = x.shape, weight.shape[0] // (2 if prologue.glu else 1)
     if weight.shape[1] != k:
         raise ValueError(f"weight: expected [N, {k}] for x [{m}, {k}], got "
                          f"{list(weight.shape)}")
@@ -106,10 +217,15 @@ def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                          f"(compute capability >= 9, a Triton with gdc_wait); {x.device} "
                          f"lacks it")
     y = x.new_empty(m, n)
+    delta, h_out = prologue.delta, prologue.h_out
     small_m_linear_kernel[(-(-n // cfg.block_n),)](
-        x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k,
+        x, weight, y, x if delta is None else delta,
+        x if prologue.gamma is None else prologue.gamma, x if h_out is None else h_out, m, n,
+        prologue.eps, x.stride(0), weight.stride(0), y.stride(0),
+        0 if delta is None else delta.stride(0), 0 if h_out is None else h_out.stride(0), K=k,
         M_PAD=max(16, pow2(m)) if m > 1 else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_PDL=cfg.pdl, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+        USE_PDL=cfg.pdl, IEEE=x.dtype == torch.float32, ADD=delta is not None,
+        NORM=prologue.gamma is not None, GLU=prologue.glu, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=cfg.pdl)
     return y
 

@@ -568,34 +568,94 @@ def _gemv_acc(acc, xt, wt, M_PAD: tl.constexpr, IEEE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _gemv_rows(x, delta, gamma, rstd, kk, offs_m, m_ok, stride_xm, stride_dm, K: tl.constexpr,
+               ADD: tl.constexpr, NORM: tl.constexpr):
+    """The [M_PAD, BLOCK_K] input tile at columns `kk`: x (+ delta, rounded to x's dtype),
+    then RMS-normalized by `rstd` [M_PAD] and scaled by gamma, in x's dtype. Returns
+    (tile, the sum before the norm)."""
+    k_ok = (kk < K)[None, :]
+    ok = m_ok[:, None] & k_ok
+    h = tl.load(x + offs_m[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0)
+    if ADD:
+        h = (h.to(tl.float32) + tl.load(delta + offs_m[:, None] * stride_dm + kk[None, :],
+                                        mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+    xt = h
+    if NORM:
+        g = tl.load(gamma + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xt = (h.to(tl.float32) * rstd[:, None] * g[None, :]).to(h.dtype)
+    return xt, h
+
+
+@triton.jit
+def _gemv_input(x, delta, gamma, rstd, h_out, kk, offs_m, m_ok, stride_xm, stride_dm,
+                stride_hm, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr):
+    """The product's input tile at columns `kk` (`_gemv_rows`); with ADD, program 0 also
+    writes the summed rows to h_out."""
+    xt, h = _gemv_rows(x, delta, gamma, rstd, kk, offs_m, m_ok, stride_xm, stride_dm, K,
+                       ADD, NORM)
+    if ADD:
+        tl.store(h_out + offs_m[:, None] * stride_hm + kk[None, :], h,
+                 mask=m_ok[:, None] & (kk < K)[None, :] & (tl.program_id(0) == 0))
+    return xt
+
+
 @triton.jit(do_not_specialize=("M",))
 def small_m_linear_kernel(
-    x, w, y, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    IEEE: tl.constexpr,
+    x, w, y, delta, gamma, h_out, M, N, eps, stride_xm, stride_wn, stride_ym, stride_dm,
+    stride_hm, K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr, ADD: tl.constexpr,
+    NORM: tl.constexpr, GLU: tl.constexpr,
 ):
     """y[:, n0:n0 + BLOCK_N] = x @ w[n0:n0 + BLOCK_N].T for x's M (<= M_PAD) rows, the
     weight rows streamed once in BLOCK_K tiles. M_PAD 1: a multiply-and-sum; else tl.dot
-    with the rows padded to M_PAD (>= 16)."""
+    with the rows padded to M_PAD (>= 16).
+
+    ADD: the input is h = x + delta (rounded to x's dtype), which program 0 writes to
+    h_out. NORM: the input is RMSNorm(h) = h / sqrt(mean(h^2) + eps) * gamma (float32
+    inside, rounded to x's dtype; every program sums the squares of its rows itself). GLU:
+    w holds 2 N rows, gate then up, and y = silu(x @ gate.T) * (x @ up.T)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_rows = w + offs_n[:, None] * stride_wn
-    x_rows = x + offs_m[:, None] * stride_xm
     k_ok = (offs_k < K)[None, :]
     wt = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if GLU:
+        ut = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok,
+                     other=0.0)
     if USE_PDL:  # weights never depend on the previous kernel: the first tile is in flight
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own prologue
-    xt = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+    rstd = tl.zeros((M_PAD,), tl.float32)
+    if NORM:
+        for i in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            _, h = _gemv_rows(x, delta, gamma, rstd, i * BLOCK_K + offs_k, offs_m, m_ok,
+                              stride_xm, stride_dm, K, ADD, False)
+            hf = h.to(tl.float32)
+            rstd += tl.sum(hf * hf, 1)
+        rstd = 1.0 / tl.sqrt(rstd / K + eps)
+    # the first tile apart, so the loop's loads are unconditional (and pipelined)
+    xt = _gemv_input(x, delta, gamma, rstd, h_out, offs_k, offs_m, m_ok, stride_xm,
+                     stride_dm, stride_hm, K, ADD, NORM)
     acc = _gemv_acc(tl.zeros((M_PAD, BLOCK_N), tl.float32), xt, wt, M_PAD, IEEE)
+    if GLU:
+        acc_u = _gemv_acc(tl.zeros((M_PAD, BLOCK_N), tl.float32), xt, ut, M_PAD, IEEE)
     for i in range(1, (K + BLOCK_K - 1) // BLOCK_K):
         kk = i * BLOCK_K + offs_k
         k_ok = (kk < K)[None, :]
         wt = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-        xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        if GLU:
+            ut = tl.load(w_rows + N * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok,
+                         other=0.0)
+        xt = _gemv_input(x, delta, gamma, rstd, h_out, kk, offs_m, m_ok, stride_xm,
+                         stride_dm, stride_hm, K, ADD, NORM)
         acc = _gemv_acc(acc, xt, wt, M_PAD, IEEE)
+        if GLU:
+            acc_u = _gemv_acc(acc_u, xt, ut, M_PAD, IEEE)
+    if GLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
     tl.store(y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])

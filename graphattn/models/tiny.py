@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphattn.backends import linear  # noqa: F401  (registers the small-M ops)
+from graphattn.backends.linear import MAX_M
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 from graphattn.backends.reference import (
     allocate_kv_cache,
@@ -84,18 +86,43 @@ class _Layer(nn.Module):
 
     def forward(self, x, positions, inv_freq, rot, attn, impl, cache):
         """`rot`: the model's (cos, sin), or None where `impl.forward_qkv` rotates itself."""
-        cfg, d = self.cfg, self.cfg.head_dim
-        hq, hkv = cfg.local_heads, cfg.local_kv_heads
-        qkv = self.qkv(self.norm1(x))
-        if rot is None:  # rotary embedding fused with the KV write
-            a = impl.forward_qkv(qkv, positions, inv_freq, cache, attn)
-        else:
-            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), *rot)
-            q, k = qk.split([hq, hkv], 1)
-            a = impl.forward(q, k, qkv[:, (hq + hkv) * d :].view(-1, hkv, d), cache, attn)
+        a = self._attention(self.qkv(self.norm1(x)), positions, inv_freq, rot, attn, impl,
+                            cache)
         x = x + self._reduce(self.o(a.flatten(1)))
         g, u = self.up(self.norm2(x)).chunk(2, -1)
         return x + self._reduce(self.down(nn.functional.silu(g) * u))
+
+    def forward_small_m(self, x, delta, positions, inv_freq, rot, attn, impl, cache):
+        """`forward` in five launches besides attention for a few rows: each projection a
+        Triton GEMV (`graphattn.backends.linear`), the residual add and the norm before it
+        in its prologue, the gated activation in the up projection's epilogue. `delta`: the
+        previous layer's pending update of the residual stream `x` (None: none); returns
+        (the residual stream, this layer's pending update)."""
+        ops = torch.ops.graphattn
+        w1, eps1 = self.norm1.weight, _eps(self.norm1, x.dtype)
+        if delta is None:
+            qkv = ops.norm_linear(x, w1, eps1, self.qkv.weight, False)
+        else:
+            x, qkv = ops.add_norm_linear(x, delta, w1, eps1, self.qkv.weight, False)
+        a = self._attention(qkv, positions, inv_freq, rot, attn, impl, cache)
+        o = self._reduce(ops.small_m_linear(a.flatten(1), self.o.weight))
+        x, act = ops.add_norm_linear(x, o, self.norm2.weight, _eps(self.norm2, x.dtype),
+                                     self.up.weight, True)
+        return x, self._reduce(ops.small_m_linear(act, self.down.weight))
+
+    def _attention(self, qkv, positions, inv_freq, rot, attn, impl, cache):
+        cfg, d = self.cfg, self.cfg.head_dim
+        hq, hkv = cfg.local_heads, cfg.local_kv_heads
+        if rot is None:  # rotary embedding fused with the KV write
+            return impl.forward_qkv(qkv, positions, inv_freq, cache, attn)
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), *rot)
+        q, k = qk.split([hq, hkv], 1)
+        return impl.forward(q, k, qkv[:, (hq + hkv) * d :].view(-1, hkv, d), cache, attn)
+
+
+def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
+    """The epsilon `norm` uses on `dtype` inputs (None: the dtype's machine epsilon)."""
+    return norm.eps if norm.eps is not None else torch.finfo(dtype).eps
 
 
 class TinyDecoder(nn.Module):
@@ -120,6 +147,16 @@ class TinyDecoder(nn.Module):
         With ``cfg.tp_size`` > 1: the tensor-parallel group whose all-reduces
         follow o and down (this rank holds its slice of heads, KV heads and MLP;
         `load_shard` fills it from a full model).
+
+    Attributes
+    ----------
+    small_m : bool
+        Batches of up to `graphattn.backends.linear.MAX_M` tokens run each layer's
+        projections through the Triton GEMV on CUDA, with the residual add and the norm in
+        the prologue and the gated activation in the epilogue
+        (``torch.ops.graphattn.add_norm_linear``): five launches a layer besides attention
+        instead of nine (default False: cuBLAS and inductor's norms; set it before the
+        runner captures or compiles). Elsewhere the same ops run plain torch.
     """
 
     # the LM head runs only at the token rows the runner samples
@@ -141,6 +178,7 @@ class TinyDecoder(nn.Module):
         # (before the final norm) in last_hidden_states, for an EAGLE-style draft head
         self.keep_hidden_states = False
         self.last_hidden_states: torch.Tensor | None = None
+        self.small_m = False
 
     @torch.no_grad()
     def load_shard(self, full: TinyDecoder, rank: int) -> TinyDecoder:
@@ -206,8 +244,15 @@ class TinyDecoder(nn.Module):
         pos = inputs["positions"]
         # an impl without forward_qkv gets q and k rotated here, the angles once per forward
         rot = None if hasattr(self.impl, "forward_qkv") else cos_sin(pos, self.inv_freq)
-        for layer, cache in zip(self.layers, self.caches, strict=True):
-            x = layer(x, pos, self.inv_freq, rot, attn_metadata, self.impl, cache)
+        if self.small_m and x.shape[0] <= MAX_M:
+            delta = None
+            for layer, cache in zip(self.layers, self.caches, strict=True):
+                x, delta = layer.forward_small_m(x, delta, pos, self.inv_freq, rot,
+                                                 attn_metadata, self.impl, cache)
+            x = x + delta
+        else:
+            for layer, cache in zip(self.layers, self.caches, strict=True):
+                x = layer(x, pos, self.inv_freq, rot, attn_metadata, self.impl, cache)
         if self.keep_hidden_states:
             self.last_hidden_states = x
         # the norm before the row selection: a gather consuming the last residual add

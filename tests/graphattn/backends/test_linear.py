@@ -10,6 +10,7 @@ import torch
 from graphattn.backends.linear import (
     MAX_M,
     GemvConfig,
+    GemvPrologue,
     SmallMLinear,
     gemv_config,
     launch_small_m_linear,
@@ -35,6 +36,69 @@ def check_gemv(device: str, dtype: torch.dtype, launch=launch_small_m_linear,
         assert got.shape == (m, n)
         err = float((got - want).abs().max() / want.abs().max())
         assert err < TOL[dtype], (m, n, k, dtype, err)
+
+
+def _norm_linear_reference(x, delta, gamma, eps, w, glu):
+    """float64 (h, y) of `add_norm_linear` (delta None: `norm_linear`'s, h = x)."""
+    h = x.double() if delta is None else x.double() + delta.double()
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+    y = n @ w.double().T
+    if glu:
+        g, u = y.chunk(2, -1)
+        y = torch.nn.functional.silu(g) * u
+    return h, y
+
+
+def check_fused_gemv(device: str, dtype: torch.dtype, fused=None, shapes=SHAPES) -> None:
+    """`fused(x, delta, gamma, eps, w, glu) -> (h, y)` (default: the Triton launch with its
+    prologue) against float64, with and without the residual add and the gated epilogue, on
+    fresh random operands; h must equal x + delta rounded to `dtype`."""
+    def launch(x, delta, gamma, eps, w, glu):
+        h = None if delta is None else torch.empty_like(x)
+        y = launch_small_m_linear(x, w, prologue=GemvPrologue(delta, h, gamma, eps, glu))
+        return (x if h is None else h), y
+
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in shapes:
+        for add, glu in ((False, False), (True, False), (True, True)):
+            x, delta = (torch.randn(m, k, generator=g, dtype=torch.float64) for _ in range(2))
+            gamma = 1 + torch.rand(k, generator=g, dtype=torch.float64)
+            w = torch.randn(2 * n if glu else n, k, generator=g, dtype=torch.float64)
+            args = [t.to(device, dtype) for t in (x, delta, gamma, w)]
+            h, y = (fused or launch)(args[0], args[1] if add else None, args[2], 1e-5,
+                                     args[3], glu)
+            want_h, want = _norm_linear_reference(*args[:1], args[1] if add else None,
+                                                  args[2], 1e-5, args[3], glu)
+            torch.testing.assert_close(h.double().cpu(), (args[0] + args[1] if add
+                                                          else args[0]).double().cpu())
+            err = float((y.double().cpu() - want.cpu()).abs().max() / want.abs().max())
+            assert y.shape == (m, n) and err < TOL[dtype], (m, n, k, add, glu, dtype, err)
+
+
+def _fused_ops(x, delta, gamma, eps, w, glu):
+    with no_host_sync():
+        if delta is None:
+            return x, torch.ops.graphattn.norm_linear(x, gamma, eps, w, glu)
+        return torch.ops.graphattn.add_norm_linear(x, delta, gamma, eps, w, glu)
+
+
+def test_norm_linear_ops_match_float64_on_cpu_and_their_fakes():
+    """`norm_linear` / `add_norm_linear` (the plain-torch path on CPU) against float64, meta
+    shapes, and refusals naming the shapes."""
+    check_fused_gemv("cpu", torch.float32, _fused_ops)
+    x, w, g = (torch.empty(*s, device="meta") for s in ((3, 64), (80, 64), (64,)))
+    assert torch.ops.graphattn.norm_linear(x, g, 1e-5, w, True).shape == (3, 40)
+    h, y = torch.ops.graphattn.add_norm_linear(x, x, g, 1e-5, w, False)
+    assert h.shape == (3, 64) and y.shape == (3, 80)
+    torch.library.opcheck(torch.ops.graphattn.add_norm_linear.default,
+                          (torch.randn(2, 8), torch.randn(2, 8), torch.rand(8), 1e-5,
+                           torch.randn(6, 8), True))
+    with pytest.raises(ValueError, match=r"got x \[2, 8\], gamma \[4\], weight \[6, 8\]"):
+        torch.ops.graphattn.norm_linear(torch.randn(2, 8), torch.rand(4), 1e-5,
+                                        torch.randn(6, 8), False)
+    with pytest.raises(ValueError, match=r"delta must match x: got \[1, 8\]"):
+        torch.ops.graphattn.add_norm_linear(torch.randn(2, 8), torch.randn(1, 8),
+                                            torch.rand(8), 1e-5, torch.randn(6, 8), False)
 
 
 def _unsynced(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -104,6 +168,8 @@ def test_triton_gemv_matches_float64_and_replays_in_a_graph(dtype):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(y, want)
+    check_fused_gemv("cuda", dtype)
+    check_fused_gemv("cuda", dtype, _fused_ops, shapes=((1, 40, 96), (4, 72, 300)))
     layer = torch.nn.Linear(96, 300, device="cuda", dtype=dtype)
     ref = layer(x[None])
     swap_linears(layer)

@@ -1,14 +1,13 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton compiles anything, hence a child process), against the float64 references of
-test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged; programs
-taking part of a KV head's query heads),
-the K/V write, the fused rope + write + decode attention (an fp8 cache too) and the write
-+ decode attention of rotated q and k, the rotation
-at far positions, the sparse indexer's scores over the paged index cache and its attention
-over the selection (one-slot pages), and shared-prefix attention (the prefix pass and the
-suffix pass from each row's start, uniform and mixed rows), and the small-M GEMV.
-The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a logic
-error on any machine."""
+test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged;
+programs taking part of a KV head's query heads), the K/V write, the fused rope + write +
+decode attention (an fp8 cache too) and the write + decode attention of rotated q and k,
+the rotation at far positions, the sparse indexer's scores over the paged index cache and
+its attention over the selection (one-slot pages), shared-prefix attention (the prefix pass
+and the suffix pass from each row's start, uniform and mixed rows), and the small-M GEMV
+(its residual add, norm prologue and gated epilogue too). The GPU runs the same kernels
+compiled (the cuda tests of test_ops); this catches a logic error on any machine."""
 
 from __future__ import annotations
 
@@ -153,6 +152,7 @@ def _check_other_kernels() -> None:
             torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     for dtype in (torch.float32, torch.float16):  # the small-M GEMV (bf16 dots: GPU only)
         tlin.check_gemv("cpu", dtype)
+        tlin.check_fused_gemv("cpu", dtype)  # the residual add, norm and gated epilogue
 
 
 if __name__ == "__main__":
