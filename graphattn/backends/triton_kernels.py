@@ -558,13 +558,32 @@ def indexer_scores_kernel(
 
 @triton.jit
 def _gemv_acc(acc, xt, wt, M_PAD: tl.constexpr, IEEE: tl.constexpr):
-    """acc [M_PAD, BLOCK_N] + xt [M_PAD, BLOCK_K] . wt [BLOCK_N, BLOCK_K]^T, in float32."""
+    """acc + xt [M_PAD, BLOCK_K] . wt [BLOCK_N, BLOCK_K]^T, in float32. M_PAD 1: acc is
+    [BLOCK_N, BLOCK_K] of products, summed over K once at the end (`_gemv_sum`), so no
+    loop iteration waits on a cross-thread reduction; else acc is [M_PAD, BLOCK_N]."""
     if M_PAD == 1:
-        acc += tl.sum(xt.to(tl.float32) * wt.to(tl.float32), 1)[None, :]
+        acc += xt.to(tl.float32) * wt.to(tl.float32)
     elif IEEE:
         acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
     else:
         acc += tl.dot(xt, tl.trans(wt))
+    return acc
+
+
+@triton.jit
+def _gemv_zeros(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if M_PAD == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+    return acc
+
+
+@triton.jit
+def _gemv_sum(acc, M_PAD: tl.constexpr):
+    """`_gemv_acc`'s accumulator as [M_PAD, BLOCK_N]."""
+    if M_PAD == 1:
+        acc = tl.sum(acc, 1)[None, :]
     return acc
 
 
@@ -640,9 +659,9 @@ def small_m_linear_kernel(
     # the first tile apart, so the loop's loads are unconditional (and pipelined)
     xt = _gemv_input(x, delta, gamma, rstd, h_out, offs_k, offs_m, m_ok, stride_xm,
                      stride_dm, stride_hm, K, ADD, NORM)
-    acc = _gemv_acc(tl.zeros((M_PAD, BLOCK_N), tl.float32), xt, wt, M_PAD, IEEE)
+    acc = _gemv_acc(_gemv_zeros(M_PAD, BLOCK_N, BLOCK_K), xt, wt, M_PAD, IEEE)
     if GLU:
-        acc_u = _gemv_acc(tl.zeros((M_PAD, BLOCK_N), tl.float32), xt, ut, M_PAD, IEEE)
+        acc_u = _gemv_acc(_gemv_zeros(M_PAD, BLOCK_N, BLOCK_K), xt, ut, M_PAD, IEEE)
     for i in range(1, (K + BLOCK_K - 1) // BLOCK_K):
         kk = i * BLOCK_K + offs_k
         k_ok = (kk < K)[None, :]
@@ -655,7 +674,9 @@ def small_m_linear_kernel(
         acc = _gemv_acc(acc, xt, wt, M_PAD, IEEE)
         if GLU:
             acc_u = _gemv_acc(acc_u, xt, ut, M_PAD, IEEE)
+    acc = _gemv_sum(acc, M_PAD)
     if GLU:
+        acc_u = _gemv_sum(acc_u, M_PAD)
         acc = acc / (1.0 + tl.exp(-acc)) * acc_u
     tl.store(y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
