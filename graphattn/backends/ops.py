@@ -422,12 +422,11 @@ def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
             qkv.device, d, k_cache, v_cache, rows, num_kv_heads, max_len, kernel, auto):
         check_contiguous_caches("rope_paged_attention", k_cache, v_cache)
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-        heads = qkv.view(t, num_heads + 2 * num_kv_heads, d)
-        new = Append(heads[:, num_heads:num_heads + num_kv_heads],
-                     heads[:, num_heads + num_kv_heads:], slot_mapping, positions, inv_freq)
-        return triton_attention(heads[:, :num_heads], k_cache, v_cache, query_start_loc,
-                                seq_lens, block_table, scale, 1, max_len, window, softcap,
-                                sinks, append=new, scales=(k_scale, v_scale))
+        q, k, v = qkv.view(t, -1, d).split([num_heads, num_kv_heads, num_kv_heads], 1)
+        return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                scale, 1, max_len, window, softcap, sinks,
+                                append=Append(k, v, slot_mapping, positions, inv_freq),
+                                scales=(k_scale, v_scale))
     q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
                       num_kv_heads, kernel, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,

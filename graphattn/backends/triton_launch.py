@@ -117,16 +117,10 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     caller's `_attention_launch` of this call. Returns [T, H, Dv] in q's dtype (0: padded).
     """
     (t, h, d), dv, rows = q.shape, v_cache.shape[-1], block_table.shape[0]
-    if append is not None and not (uniform_query_len == 1
-                                   and rope_fusable(d, k_cache, v_cache)):
-        raise ValueError(f"the fused K/V append takes one-token rows and a power-of-two "
-                         f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
-                         f"head_dim {d}, V head_dim {dv}")
+    append = _checked_append(append, d, k_cache, v_cache, uniform_query_len)
     if t == 0 or rows == 0:
         return None if parts is not None else q.new_zeros(t, h, dv)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    if append is not None and (append.k.stride(-1) != 1 or append.v.stride(-1) != 1):
-        append = replace(append, k=append.k.contiguous(), v=append.v.contiguous())
     cfg, num_tiles, num_splits, consts = launch or _attention_launch(
         q, k_cache, v_cache, rows, uniform_query_len, max_len, config)
     consts = dict(consts, USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
@@ -152,6 +146,20 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _merge_splits(out, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
                       consts["DV_PAD"], sinks is not None, cfg.pdl)
     return out
+
+
+def _checked_append(append: Append | None, d: int, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, uniform_query_len: int) -> Append | None:
+    """`append` with unit-stride K/V rows; ValueError where the launch cannot take it."""
+    if append is None:
+        return None
+    if not (uniform_query_len == 1 and rope_fusable(d, k_cache, v_cache)):
+        raise ValueError(f"the fused K/V append takes one-token rows and a power-of-two "
+                         f"head_dim >= 16 for K and V; got query length {uniform_query_len}, "
+                         f"head_dim {d}, V head_dim {v_cache.shape[-1]}")
+    if append.k.stride(-1) != 1 or append.v.stride(-1) != 1:
+        return replace(append, k=append.k.contiguous(), v=append.v.contiguous())
+    return append
 
 
 def _append_args(append: Append | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
