@@ -656,17 +656,19 @@ def test_rope_paged_attention_matches_float64_reference(feature, device, dtype, 
     window, softcap = feats.get("window", 0), feats.get("softcap", 0.0)
     sinks = (torch.randn(h) * 2).to(device, dtype) if feats.get("sinks") else None
 
-    def run(case):
+    def run(case, heads=None):
         rows = case[7].shape[0]
         tail = (32 ** -0.5, 0 if q_lens else rows, 1, kv_bounds(nblk, nblk * bs), window,
                 softcap, sinks, "auto")
         with no_host_sync():
-            if rotated:  # q and k come rotated: the write and attention alone
-                heads = _rotated_qkv(case, h, hkv).view(case[0].shape[0], h + 2 * hkv, -1)
+            if rotated:  # q and k come rotated (`heads`): the write and attention alone
                 return torch.ops.graphattn.append_paged_attention(
                     heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:], *case[3:], *tail)
             return torch.ops.graphattn.rope_paged_attention(
                 *case, tail[0], h, hkv, *tail[1:])
+
+    def rotated_heads(case):  # built outside no_host_sync: the float64 rotation is on CPU
+        return _rotated_qkv(case, h, hkv).view(case[0].shape[0], h + 2 * hkv, -1)
 
     def check(case, out, before):
         ref, kref, vref = _decode_qkv_reference([*case[:3], *before, *case[5:]], h, hkv,
@@ -680,16 +682,19 @@ def test_rope_paged_attention_matches_float64_reference(feature, device, dtype, 
 
     case = _decode_qkv_case(device, dtype, q_lens=q_lens)
     before = [case[3].clone(), case[4].clone()]
-    check(case, run(case), before)
+    heads = rotated_heads(case) if rotated else None
+    check(case, run(case, heads), before)
     if device != "cuda":
         return
     new = _decode_qkv_case(device, dtype, lens=(64, 9, 20, 50), seed=1, q_lens=q_lens)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run(case)
+        out = run(case, heads)
     for x, y in zip(case, new, strict=True):
         x.copy_(y)
+    if rotated:
+        heads.copy_(rotated_heads(case))
     before = [case[3].clone(), case[4].clone()]
     with no_host_sync():
         graph.replay()
