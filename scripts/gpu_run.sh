@@ -51,7 +51,7 @@ for part in "$@"; do
     replay-*)
       m=${part#replay-}
       python3 -m bench.graph_replay --models "$m" --steps "${STEPS:-100}" --out "$OUT" --sizes "${SIZES:-1,8,32,128}" \
-        --modes "${MODES:-graphattn_graphs,graphattn_compiled_graphs,graphattn_compiled_pdl,graphattn_gemv,graphattn_fp8kv,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor,replay_floor_compiled,attention}" \
+        --modes "${MODES:-graphattn_graphs,graphattn_compiled_graphs,graphattn_compiled_pdl,graphattn_gemv,graphattn_small_m,graphattn_fp8kv,handwritten_sdpa_graph,handwritten_compiled_graph,replay_floor,replay_floor_compiled,attention}" \
         2>&1 | tee "$OUT/graph_replay_$m.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     compile-*)
