@@ -99,8 +99,9 @@ class GemvPrologue:
     Attributes
     ----------
     delta : [M, K], optional
-        Added to x first (a residual stream's pending update); the sum, rounded to x's
-        dtype, is written to `h_out` [M, K].
+        Added to x first (a residual stream's pending update).
+    h_out : [M, K], optional (with `delta`)
+        Receives x + delta, rounded to x's dtype (the next residual stream).
     gamma : [K], optional
         RMSNorm of the (summed) rows with this weight and `eps`, in float32.
     eps : float

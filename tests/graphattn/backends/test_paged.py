@@ -116,53 +116,22 @@ class OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_forward_runs_one_op_for_decode_and_mixed_batches():
-    """`PagedAttentionImpl.forward`: one `append_paged_attention` call (the K/V write inside
-    the attention launch for one-token decode rows where it pays, on CUDA) for decode and
-    mixed batches alike unless `fuse_rope=False` (`write_kv` then attention); the same
+@pytest.mark.parametrize(("entry", "fused_op", "split_op"), [
+    ("forward", "append_paged_attention", "write_kv"),
+    ("forward_qkv", "rope_paged_attention", "rope_write_kv")])
+def test_forward_runs_one_op_for_decode_and_mixed_batches(entry, fused_op, split_op):
+    """`PagedAttentionImpl.forward` (q, k, v) and `forward_qkv` (a fused qkv, rotated in the
+    op): one `fused_op` call for decode and mixed batches alike (it picks its path from the
+    plan when it runs: the K/V write inside the attention launch for one-token decode rows
+    where it pays, on CUDA) unless `fuse_rope=False` (`split_op`, then attention); the same
     output and caches for every `fuse_rope`, under no_host_sync()."""
-    for cfg in (WorkloadConfig(prompt_len=(1, 1), max_new_tokens=(5, 9), arrival_prob=1.0),
-                CFGS["mixed"]):
-        sc = Scenario(cfg, seed=4, max_model_len=64, block_size=8)
-        builder = PagedAttentionBuilder(8)
-        caches = tuple(allocate_kv_cache(sc.num_blocks, 8, HKV, D, torch.float32, "cpu")
-                       for _ in range(2))
-        for c in caches:
-            c.normal_()
-        for _ in range(3):
-            s, batch, common = sc.next_batch()
-            meta = builder.build(common)
-            t = batch.num_tokens_padded
-            q, k, v = sc.rand(t, H, D), sc.rand(t, HKV, D), sc.rand(t, HKV, D)
-            results = []
-            for fuse in (None, True, False):
-                kv = tuple(c.clone() for c in caches)
-                with OpNames() as ops, no_host_sync():
-                    out = PagedAttentionImpl(H, D, HKV, fuse_rope=fuse).forward(q, k, v, kv,
-                                                                                  meta)
-                assert ("graphattn::append_paged_attention" in ops.names) == (fuse is not False)
-                assert ("graphattn::write_kv" in ops.names) == (fuse is False)
-                results.append((out, kv))
-            for out, kv in results[1:]:
-                torch.testing.assert_close(out, results[0][0])
-                for x, y in zip(kv, results[0][1], strict=True):
-                    torch.testing.assert_close(x, y)
-            caches = results[0][1]
-            sc.finish(s)
-
-
-def test_forward_qkv_runs_one_op_for_decode_and_mixed_batches():
-    """`PagedAttentionImpl.forward_qkv`: one `rope_paged_attention` call for decode and
-    mixed batches alike (it picks its path from the plan when it runs) unless
-    `fuse_rope=False` (`rope_write_kv` then attention); the same output and caches for
-    every `fuse_rope`."""
     from graphattn.backends.rope import inv_frequencies
 
+    inv = inv_frequencies(D, 1e4, "cpu")
     for cfg in (WorkloadConfig(prompt_len=(1, 1), max_new_tokens=(5, 9), arrival_prob=1.0),
                 CFGS["mixed"]):
         sc = Scenario(cfg, seed=3, max_model_len=64, block_size=8)
         builder = PagedAttentionBuilder(8)
-        inv = inv_frequencies(D, 1e4, "cpu")
         caches = tuple(allocate_kv_cache(sc.num_blocks, 8, HKV, D, torch.float32, "cpu")
                        for _ in range(2))
         for c in caches:
@@ -171,18 +140,20 @@ def test_forward_qkv_runs_one_op_for_decode_and_mixed_batches():
             s, batch, common = sc.next_batch()
             meta = builder.build(common)
             qkv = sc.rand(batch.num_tokens_padded, (H + 2 * HKV) * D)
+            q, k, v = qkv.view(-1, H + 2 * HKV, D).split([H, HKV, HKV], 1)
             results = []
             for fuse in (None, True, False):
-                kv = tuple(c.clone() for c in caches)
+                impl, kv = PagedAttentionImpl(H, D, HKV, fuse_rope=fuse), tuple(
+                    c.clone() for c in caches)
                 with OpNames() as ops, no_host_sync():
-                    out = PagedAttentionImpl(H, D, HKV, fuse_rope=fuse).forward_qkv(
-                        qkv, batch.positions, inv, kv, meta)
-                assert ("graphattn::rope_paged_attention" in ops.names) == (fuse is not False)
-                assert ("graphattn::rope_write_kv" in ops.names) == (fuse is False)
+                    out = (impl.forward(q, k, v, kv, meta) if entry == "forward" else
+                           impl.forward_qkv(qkv, batch.positions, inv, kv, meta))
+                assert (f"graphattn::{fused_op}" in ops.names) == (fuse is not False)
+                assert (f"graphattn::{split_op}" in ops.names) == (fuse is False)
                 results.append((out, kv))
             for out, kv in results[1:]:
                 torch.testing.assert_close(out, results[0][0])
-                for a, b in zip(kv, results[0][1], strict=True):
-                    torch.testing.assert_close(a, b)
+                for x, y in zip(kv, results[0][1], strict=True):
+                    torch.testing.assert_close(x, y)
             caches = results[0][1]
             sc.finish(s)
