@@ -35,8 +35,8 @@ from graphattn.backends.triton_launch import (
     triton_cascade,
 )
 
-__all__ = ["append_paged_attention", "cascade_attention", "fuses_decode", "kv_bounds",
-           "paged_attention", "rope_paged_attention", "rope_write_kv", "write_kv"]
+__all__ = ["append_paged_attention", "cascade_attention", "kv_bounds", "paged_attention",
+           "rope_paged_attention", "rope_write_kv", "write_kv"]
 
 
 def kv_bounds(num_kv_blocks: int, max_len: int) -> torch.Tensor:
@@ -278,20 +278,15 @@ def append_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     torch.Tensor
         [T, H, D] in q's dtype; 0 for padded tokens.
     """
-    t, rows = q.shape[0], block_table.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[-1]
+    t, rows, hkv = q.shape[0], block_table.shape[0], k_cache.shape[2]
     for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if tuple(x.shape) != (t, hkv, cache.shape[-1]):
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected "
                              f"{(t, hkv, cache.shape[-1])} (q's tokens, the {name} cache's "
                              f"heads and head_dim)")
-    if t < num_decodes * decode_query_len:
-        raise ValueError(f"q has {t} tokens, expected >= {num_decodes * decode_query_len} "
-                         f"(num_decodes = {num_decodes} x decode_query_len = "
-                         f"{decode_query_len})")
-    max_len = _read_bounds(kv_bounds)[1]
-    if rows and num_decodes == rows and decode_query_len == 1 and q.shape[-1] == d and \
-            fuses_decode(q.device, d, k_cache, v_cache, rows, hkv, max_len, kernel, auto):
+    max_len, fused = _decode_launch("q", q, q.shape[-1], k_cache, v_cache, rows, num_decodes,
+                                    decode_query_len, kv_bounds, kernel, auto)
+    if fused:
         check_contiguous_caches("append_paged_attention", k_cache, v_cache)
         return triton_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                 scale, 1, max_len, window, softcap, sinks,
@@ -412,14 +407,9 @@ def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
         [T, H, D] in qkv's dtype; 0 for padded tokens.
     """
     t, d = qkv.shape[0], _check_qkv(qkv, inv_freq, num_heads, num_kv_heads)
-    rows = block_table.shape[0]
-    if t < num_decodes * decode_query_len:
-        raise ValueError(f"qkv has {t} tokens, expected >= {num_decodes * decode_query_len} "
-                         f"(num_decodes = {num_decodes} x decode_query_len = "
-                         f"{decode_query_len})")
-    max_len = _read_bounds(kv_bounds)[1]
-    if rows and num_decodes == rows and decode_query_len == 1 and fuses_decode(
-            qkv.device, d, k_cache, v_cache, rows, num_kv_heads, max_len, kernel, auto):
+    max_len, fused = _decode_launch("qkv", qkv, d, k_cache, v_cache, block_table.shape[0],
+                                    num_decodes, decode_query_len, kv_bounds, kernel, auto)
+    if fused:
         check_contiguous_caches("rope_paged_attention", k_cache, v_cache)
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
         q, k, v = qkv.view(t, -1, d).split([num_heads, num_kv_heads, num_kv_heads], 1)
@@ -434,13 +424,25 @@ def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: t
                            window, softcap, sinks, kernel, k_scale, v_scale)
 
 
-def fuses_decode(device: torch.device, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 rows: int, num_kv_heads: int, max_len: int, kernel: str, auto: bool) -> bool:
-    """Whether a batch of `rows` one-token decode rows (head_dim `d`, `max_len` the bound) on
-    `device` writes its new K/V inside the attention launch (`append_paged_attention`,
-    `rope_paged_attention`; CPU numbers only)."""
-    return (resolve_kernel(kernel, device) == "triton" and rope_fusable(d, k_cache, v_cache)
-            and (not auto or fuse_rope_decode(rows, num_kv_heads, d, max_len, device, kernel)))
+def _decode_launch(name: str, x: torch.Tensor, d: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, rows: int, num_decodes: int, decode_query_len: int,
+                   kv_bounds: torch.Tensor, kernel: str, auto: bool) -> tuple[int, bool]:
+    """(max_len, fused) of `append_paged_attention` / `rope_paged_attention` from CPU numbers:
+    fused when every row is a one-token decode and the Triton launch can write the new K/V
+    (head_dim `d`; with `auto`, only where it pays). ValueError, naming `name`, when `x` has
+    fewer tokens than the decode rows."""
+    t = x.shape[0]
+    if t < num_decodes * decode_query_len:
+        raise ValueError(f"{name} has {t} tokens, expected >= {num_decodes * decode_query_len} "
+                         f"(num_decodes = {num_decodes} x decode_query_len = "
+                         f"{decode_query_len})")
+    max_len = _read_bounds(kv_bounds)[1]
+    fused = (rows > 0 and num_decodes == rows and decode_query_len == 1
+             and resolve_kernel(kernel, x.device) == "triton"
+             and rope_fusable(d, k_cache, v_cache)
+             and (not auto or fuse_rope_decode(rows, k_cache.shape[2], d, max_len, x.device,
+                                               kernel)))
+    return max_len, fused
 
 
 @rope_paged_attention.register_fake
