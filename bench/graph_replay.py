@@ -36,7 +36,8 @@ step late, as a serving loop does, so no call waits on the token ring), `host_st
 host µs of each stage of a step, from a second run with the stage timer on), `kernels` (nodes of
 the step's CUDA graph), `capture_s`, `pool_mb`. An `attention` row per model times the
 attention op alone on the batch-128 / longest-length shape (`kv_tbps`: KV bytes over its
-time).
+time); `attention_b1_*` rows time each layer's batch-1 decode attention chained in one graph,
+its splits merged inside the launch or by the merge kernel.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from bench.setup import (
     result_meta,
     set_lengths,
 )
+from bench.timing import capture_warm
 from graphattn import CompileConfig, GraphRunner, RunnerConfig
 from graphattn.backends.linear import swap_linears
 from graphattn.buckets import BucketPolicy
@@ -279,6 +281,55 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     return rows
 
 
+def split_merge_rows(cfg, lengths: list[int], layers: int) -> list[dict]:
+    """Batch-1 decode attention of `layers` layers chained in one CUDA graph (each layer's
+    output the next one's query, each its own cache), split as `decode_config` splits it:
+    the splits merged inside the launch (`TritonConfig.merge`) against the merge kernel."""
+    from dataclasses import replace
+
+    from graphattn.backends.launch_config import decode_config, device_index, has_pdl
+
+    h, hkv, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
+    rows = []
+    for length in lengths:
+        nblk = -(-(length + 16) // bs)
+        caches = [tuple(torch.randn(nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2)) for _ in range(layers)]
+        lens = (torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+                torch.tensor([length], dtype=torch.int32, device="cuda"),
+                torch.arange(nblk, dtype=torch.int32, device="cuda").view(1, nblk))
+        q = torch.randn(1, h, d, device="cuda", dtype=torch.bfloat16)
+        base = decode_config(hkv, has_pdl(device_index(q.device)))
+        for merge in (True, False):
+            g = _chained_attention_graph(q, caches, lens, replace(base, merge=merge))
+            us = float(np.median(event_times(g.replay, 200)))
+            rows.append({"mode": "attention_b1_" + ("merged_in_launch" if merge else
+                                                    "merge_kernel"),
+                         "batch": 1, "length": length, "layers": layers, "us_step": us,
+                         "us_layer": us / layers, "kernels": graph_nodes(g)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _chained_attention_graph(q: torch.Tensor, caches: list, lens: tuple,
+                             config) -> torch.cuda.CUDAGraph:
+    """A graph of one `triton_attention` launch per cache, each output the next query;
+    `lens`: (query_start_loc, seq_lens, block_table)."""
+    from graphattn.backends.triton_launch import triton_attention
+
+    qsl, seq, bt = lens
+    max_len = bt.shape[1] * caches[0][0].shape[1]
+
+    def chain() -> torch.Tensor:
+        a = q
+        for kc, vc in caches:
+            a = triton_attention(a, kc, vc, qsl, seq, bt, q.shape[-1] ** -0.5, 1, max_len, 0,
+                                 0.0, None, config=config)
+        return a
+
+    return capture_warm(chain)
+
+
 GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
           ("graphattn_compiled_dynamic",), ("graphattn_compiled_blocks",), ("graphattn_gemv",),
@@ -372,6 +423,7 @@ def run_model(name: str, sizes: tuple[int, ...], lengths: tuple[int, ...], steps
             out([_error("handwritten", e)])
     if "attention" in modes:
         out(attention_rows(cfg, max(sizes), max(lengths), bw))
+        out(split_merge_rows(cfg, lengths, cfg.num_layers))
 
 
 def compile_rows(name: str, sizes, lengths, steps) -> list[dict]:

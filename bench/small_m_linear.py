@@ -111,12 +111,48 @@ def shape_rows(m: int, weights: list, head: torch.Tensor, bw: float, steps: int)
     return rows
 
 
+SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+         for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8) for st in (1, 3)]
+
+
+def sweep_rows(m: int, weights: list, head: torch.Tensor, bw: float, steps: int) -> list[dict]:
+    """Each projection kind alone under every `SWEEP` config of the GEMV, beside cuBLAS;
+    one row per kind: cuBLAS's µs, the best config and its µs."""
+    kinds = {"qkv": [ws[0] for ws in weights], "o": [ws[1] for ws in weights],
+             "gate_up": [ws[2] for ws in weights], "down": [ws[3] for ws in weights],
+             "lm_head": [head]}
+    rows = []
+    for kind, ws in kinds.items():
+        x = torch.randn(m, ws[0].shape[1], device="cuda", dtype=head.dtype)
+        floor_us = sum(w.numel() * w.element_size() for w in ws) / bw * 1e6
+        cublas = graph_time(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws],
+                            steps)
+        timed = []
+        for cfg in SWEEP:
+            f = config_linear(cfg)
+            try:
+                timed.append((graph_time(lambda x=x, ws=ws, f=f: [f(x, w) for w in ws], steps),
+                              cfg))
+            except Exception:  # noqa: BLE001, S112  (a config the device refuses)
+                continue
+        best_us, best = min(timed, key=lambda t: t[0])
+        rows.append({"mode": "sweep", "rows": m, "shape": kind, "n": ws[0].shape[0],
+                     "k": ws[0].shape[1], "cublas_us": cublas, "best_gemv_us": best_us,
+                     "best_config": best, "configs": len(timed),
+                     "cublas_floor_ratio": cublas / floor_us,
+                     "gemv_floor_ratio": best_us / floor_us})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16", help="comma-separated row counts (M)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default=None, help="folder for small_m_linear.json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the per-shape sweep of GEMV configs (small_m_linear_sweep.json)")
     args = ap.parse_args()
     dtype = torch.bfloat16
     weights = layer_weights(dtype)
@@ -125,13 +161,17 @@ def main() -> None:
     bw = hbm_bandwidth()
     print(f"weights {nbytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     ms = [int(m) for m in args.rows.split(",")]
-    rows = [r for m in ms for r in rows_for(m, weights, head, bw, args.steps, nbytes)]
-    rows += [r for m in ms for r in shape_rows(m, weights, head, bw, args.steps)]
+    if args.sweep:
+        rows = [r for m in ms for r in sweep_rows(m, weights, head, bw, args.steps)]
+    else:
+        rows = [r for m in ms for r in rows_for(m, weights, head, bw, args.steps, nbytes)]
+        rows += [r for m in ms for r in shape_rows(m, weights, head, bw, args.steps)]
     if args.out:
         meta = {**result_meta("bench.small_m_linear", args, device="cuda"),
                 "weight_bytes": nbytes, "copy_bandwidth": bw}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "small_m_linear.json").write_text(
+        name = "small_m_linear_sweep.json" if args.sweep else "small_m_linear.json"
+        (Path(args.out) / name).write_text(
             json.dumps({**meta, "rows": rows}, indent=1))
 
 

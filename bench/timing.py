@@ -60,3 +60,17 @@ def syncs_per_step(fn: Callable[[], object], steps: int = 3) -> float:
         for _ in range(steps):
             fn()
     return c.count / steps
+
+
+def capture_warm(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn`, warmed up first on the stream it is captured on (as the runner
+    captures), so whatever a launch makes once per stream outside capture (the attention
+    kernels' split counters) exists when it is recorded."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    return g

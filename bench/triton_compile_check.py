@@ -2,7 +2,9 @@
 passes, ptxas and cuobjdump (bundled with Triton) run on CPU, so a kernel that would not
 compile on the GPU box (a shape redefined in a branch, an intrinsic the installed Triton
 lacks) fails here first, and each variant's resources show (registers and stack bytes per
-thread: fewer programs fit an SM as they grow; a stack means spills).
+thread: fewer programs fit an SM as they grow; a stack means spills; whether the loads go
+through a software pipeline, cp.async; shared-memory loads of single bytes, which an fp8
+tile read along its strided axis would take).
 
     python -m bench.triton_compile_check [--arch 90]
 
@@ -43,7 +45,7 @@ POINTERS = {
     "v": "*bf16", "slot_mapping": "*i64", "qkv": "*bf16", "positions": "*i64",
     "inv_freq": "*fp32", "q_out": "*bf16", "kv_start": "*i32", "shared_rows": "*i32",
     "score": "*fp32", "q_idx": "*bf16", "weights": "*fp32", "idx_cache": "*bf16",
-    "row_of": "*i32", "pos_of": "*i32", "k_new": "*bf16", "v_new": "*bf16",
+    "row_of": "*i32", "pos_of": "*i32", "k_new": "*bf16", "v_new": "*bf16", "counters": "*i32",
 }
 FP8_CACHES = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
 FLOATS = {"scale", "softcap", "k_scale", "v_scale"}
@@ -73,7 +75,9 @@ def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=target,
                             options=options)
     return {"shared": kernel.metadata.shared, "resources": resources(kernel.asm["cubin"]),
-            "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"]}
+            "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"],
+            "pipelined": "cp.async" in kernel.asm["ptx"],
+            "byte_smem_loads": kernel.asm["ptx"].count("ld.shared.b8")}
 
 
 SHAPE = dict(G=4, G_TILE=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
@@ -89,7 +93,8 @@ def _attention(target: GPUTarget) -> None:
             BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64)
         consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, USE_PDL=pdl,
-                      APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0)
+                      APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0,
+                      MERGE=split)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in SHAPE},
@@ -102,10 +107,11 @@ def _attention(target: GPUTarget) -> None:
         consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, APPEND=rope, ROTATE=rope, USE_KV_START=False,
-                      FP8=fp8, PREFIX_PARTS=0)
-        print("decode", {"APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8},
-              build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
-                    num_warps=4, num_stages=2, launch_pdl=True))
+                      FP8=fp8, PREFIX_PARTS=0, MERGE=split)
+        got = build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
+                    num_warps=4, num_stages=2, launch_pdl=True)
+        print("decode", {"APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8}, got)
+        assert not got["byte_smem_loads"], "a K / V tile read from shared memory bytewise"
 
 
 def _latent_and_shared(target: GPUTarget) -> None:
@@ -117,7 +123,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
                       DV_PAD=512, PAGE=64, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=16, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False,
-                      PREFIX_PARTS=0)
+                      PREFIX_PARTS=0, MERGE=split)
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=True)
         print("mla_decode", {"SPLIT": split}, got)
@@ -131,7 +137,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
         consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=not fold, USE_SOFTCAP=False,
                       USE_WINDOW=False, USE_SINKS=False, USE_PDL=uniform,
                       APPEND=False, ROTATE=False, USE_KV_START=True, FP8=fp8,
-                      PREFIX_PARTS=5 if fold else 0)
+                      PREFIX_PARTS=5 if fold else 0, MERGE=False)
         print("suffix", {"UNIFORM": uniform, "fp8": fp8, "PREFIX_PARTS": consts["PREFIX_PARTS"]},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2))
@@ -164,12 +170,14 @@ def _small_kernels(target: GPUTarget) -> None:
             "h_out": "*bf16"}
     for m_pad, block_n, fused in ((1, 8, False), (1, 16, False), (16, 16, False),
                                   (16, 32, False), (1, 8, True), (16, 16, True)):
-        # the small-M GEMV, plain or with the residual add, norm and gated epilogue
-        print("small_m_linear", {"M_PAD": m_pad, "BLOCK_N": block_n, "fused": fused}, build(
-            small_m_linear_kernel, dict(K=2048, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=256,
-                                        USE_PDL=False, IEEE=False, ADD=fused, NORM=fused,
-                                        GLU=fused),
-            target, gemv, num_warps=4, num_stages=3))
+        # the small-M GEMV, plain or with the residual add, norm and gated epilogue; its
+        # weight tiles stream through the loop's pipeline (one row too: no tl.dot there)
+        got = build(small_m_linear_kernel, dict(K=2048, M_PAD=m_pad, BLOCK_N=block_n,
+                                                BLOCK_K=256, USE_PDL=False, IEEE=False,
+                                                ADD=fused, NORM=fused, GLU=fused, STAGES=3),
+                    target, gemv, num_warps=4, num_stages=3)
+        print("small_m_linear", {"M_PAD": m_pad, "BLOCK_N": block_n, "fused": fused}, got)
+        assert got["pipelined"], "the GEMV's weight loads are not pipelined"
     for ieee in (False, True):  # DeepSeek-V3.2's indexer: 64 heads x 128 (bf16; float32)
         f32 = {"q_idx": "*fp32", "idx_cache": "*fp32"} if ieee else None
         print("indexer_scores", {"IEEE": ieee}, build(indexer_scores_kernel, dict(

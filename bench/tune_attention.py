@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.timing import capture_warm
 from graphattn.backends.launch_config import TritonConfig
 from graphattn.backends.reference import cache_dtype
 from graphattn.backends.triton_launch import triton_attention, triton_cascade
@@ -41,12 +42,7 @@ SHAPES = {"tiny": (16, 4, 64), "1b": (32, 8, 64)}
 
 def time_us(fns, reps=30):
     """µs per call of a graph calling each of `fns` once (median over `reps` replays)."""
-    for fn in fns:
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
+    g = capture_warm(lambda: [fn() for fn in fns])
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(reps)]
     for a, b in ev:

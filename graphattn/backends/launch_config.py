@@ -52,6 +52,10 @@ class TritonConfig:
         K/V write in (`rope_paged_attention`; see `fuse_rope_decode`).
     head_tile : int
         Query heads of a KV head per program (0: `head_tile` picks from the shapes).
+    merge : bool
+        A split launch merges its splits itself: the last split of each (row, head group)
+        to finish, counted on `triton_launch.SPLIT_COUNTERS`, folds the others' partials
+        into the output. False: a separate merge kernel after it (one launch more).
     """
 
     block_n: int = 64
@@ -61,6 +65,7 @@ class TritonConfig:
     pdl: bool = False
     fuse_rope: bool = False
     head_tile: int = 0
+    merge: bool = True
 
 
 PREFILL_CONFIG = TritonConfig()

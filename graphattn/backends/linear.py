@@ -21,11 +21,14 @@ from torch import nn
 
 from graphattn.backends.launch_config import device_index, has_pdl, has_triton, num_sms, pow2
 
-__all__ = ["MAX_M", "GemvConfig", "GemvPrologue", "SmallMLinear", "add_norm_linear",
-           "gemv_config", "norm_linear", "small_m_linear", "swap_linears",
-           "use_small_m_linear"]
+__all__ = ["GEMV_PIPELINE_BYTES", "MAX_M", "GemvConfig", "GemvPrologue", "SmallMLinear",
+           "add_norm_linear", "gemv_config", "gemv_stages", "norm_linear", "small_m_linear",
+           "swap_linears", "use_small_m_linear"]
 
 MAX_M = 16
+# shared memory the GEMV's pipelined weight tiles may take: two programs fit an H100's
+# 228 KB per multiprocessor
+GEMV_PIPELINE_BYTES = 98304
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +39,10 @@ class GemvConfig:
     ----------
     block_n, block_k : int
         Output features per program and weight columns per tile (powers of two).
-    num_warps, num_stages : int
+    num_warps : int
+    num_stages : int
+        Weight tiles in flight in the loop's software pipeline (`gemv_stages` lowers it
+        where the tiles would not fit the shared memory).
     pdl : bool
         Programmatic dependent launch (the first weight tile loaded before the wait).
     """
@@ -57,6 +63,14 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     while block_n > floor and -(-n // block_n) < 2 * sms:
         block_n //= 2
     return GemvConfig(block_n=block_n, block_k=min(512, max(64, pow2(k) // 4)))
+
+
+def gemv_stages(cfg: GemvConfig, element_size: int, glu: bool) -> int:
+    """Weight tiles the GEMV's loop keeps in flight: `cfg.num_stages`, fewer where they
+    would take more than `GEMV_PIPELINE_BYTES` of shared memory (two tiles a stage with
+    `glu`), at least 1 (no pipeline)."""
+    stage = cfg.block_n * cfg.block_k * element_size * (2 if glu else 1)
+    return max(1, min(cfg.num_stages, GEMV_PIPELINE_BYTES // stage))
 
 
 def use_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -226,7 +240,8 @@ def launch_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         0 if delta is None else delta.stride(0), 0 if h_out is None else h_out.stride(0), K=k,
         M_PAD=max(16, pow2(m)) if m > 1 else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=cfg.pdl, IEEE=x.dtype == torch.float32, ADD=delta is not None,
-        NORM=prologue.gamma is not None, GLU=prologue.glu, num_warps=cfg.num_warps,
+        NORM=prologue.gamma is not None, GLU=prologue.glu,
+        STAGES=gemv_stages(cfg, weight.element_size(), prologue.glu), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=cfg.pdl)
     return y
 

@@ -107,6 +107,12 @@ def _online_softmax_tile(s, m_i, l_i, acc, qv, v_cache, page, slot, v_head, stri
     l_i = l_i * alpha + tl.sum(p, 1)
     vv = tl.load(v_cache + page[:, None] * stride_vb + slot[:, None] * stride_vs + v_head
                  + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+    if v_cache.dtype.element_ty.is_fp8():
+        # widened here, the mask after it pinning it: left to the dot, the compiler widens
+        # after the shared-memory load, which reads the 8-bit tile (keys strided) a byte
+        # at a time; widened first, the tile is copied 16 bytes at a time and the 16-bit
+        # operand loads with ldmatrix.trans (bench.triton_compile_check)
+        vv = tl.where(n_ok[:, None], vv.to(qv.dtype), 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vv.to(qv.dtype))
     return m_new, l_i, acc
 
@@ -115,10 +121,12 @@ def _online_softmax_tile(s, m_i, l_i, acc, qv, v_cache, page, slot, v_head, stri
 def _fold_partial(m_i, l_i, acc, part_out, part_lse, at, m_ok, offs_dv, dv_ok,
                   DV_PAD: tl.constexpr):
     """Fold the normalized partial at `at` (output part_out[at], log2-sum-exp part_lse[at])
-    into a running softmax (m_i, l_i in log2 units, unnormalized acc); returns the three."""
-    lse = tl.load(part_lse + at, mask=m_ok, other=float("-inf"))
+    into a running softmax (m_i, l_i in log2 units, unnormalized acc); returns the three.
+    The loads skip L1 (".cg"): other programs of the same launch may have written them."""
+    lse = tl.load(part_lse + at, mask=m_ok, other=float("-inf"), cache_modifier=".cg")
     o = tl.load(part_out + at[:, None] * DV_PAD + offs_dv[None, :],
-                mask=(m_ok & (lse > float("-inf")))[:, None] & dv_ok[None, :], other=0.0)
+                mask=(m_ok & (lse > float("-inf")))[:, None] & dv_ok[None, :], other=0.0,
+                cache_modifier=".cg")
     m_new = tl.maximum(m_i, lse)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -131,7 +139,7 @@ def _fold_partial(m_i, l_i, acc, part_out, part_lse, at, m_ok, offs_dv, dv_ok,
 def unified_attention_kernel(
     out, part_out, part_lse,
     q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sinks,
-    k_new, v_new, positions, inv_freq, slot_mapping, kv_start,
+    k_new, v_new, positions, inv_freq, slot_mapping, kv_start, counters,
     scale, softcap, window, k_scale, v_scale,
     num_rows, num_heads, num_tokens, num_splits, num_parts, part_base,
     stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
@@ -146,6 +154,7 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr, APPEND: tl.constexpr, ROTATE: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr, PREFIX_PARTS: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     """Program (tile x head group, KV head, split) takes G_TILE of the G query heads of its
     KV head (all G unless the tile would not fit: MLA's 128 latent heads).
@@ -159,6 +168,10 @@ def unified_attention_kernel(
     `num_parts` per (token, head) (the suffix pass fills the parts after the prefix's).
     PREFIX_PARTS > 0 (unsplit suffix passes): the softmax starts from parts 0 ..
     PREFIX_PARTS - 1 of `num_parts` (the prefix pass's), so the output is final.
+    MERGE (with SPLIT): the splits of a (tile, head group, KV head) count themselves on
+    ``counters[program_id(0) * num_programs(1) + program_id(1)]`` (int32, 0 before the
+    launch) after writing their partials; the last one folds every partial into the output
+    (and the sinks) and puts the counter back to 0, so no merge kernel runs.
 
     APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two equal
     to HEAD_DIM_V): each token's new key and value are `k_new` / `v_new` [T, Hkv, D]; the
@@ -177,13 +190,13 @@ def unified_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)
     dv_ok = offs_dv < HEAD_DIM_V
-    if not SPLIT:
+    if MERGE or not SPLIT:
         # tokens past the last row's belong to no row; tile i zeroes those in its own range
         # [i * BLOCK_Q, (i + 1) * BLOCK_Q) (the grid covers every token), so the output
         # needs no fill first
         zt = tile * BLOCK_Q + offs_m // G_TILE
         zm = ((offs_m < BLOCK_Q * G_TILE) & (zt >= tl.load(query_start_loc + num_rows))
-              & (zt < num_tokens))
+              & (zt < num_tokens) & (split == 0))
         tl.store(out + zt[:, None] * stride_ot + (h0 + offs_m % G_TILE)[:, None] * stride_oh
                  + offs_dv[None, :], tl.zeros([BLOCK_M, DV_PAD], out.dtype.element_ty),
                  mask=zm[:, None] & dv_ok[None, :])
@@ -294,7 +307,20 @@ def unified_attention_kernel(
             kvh * stride_vh, stride_vb, stride_vs, offs_dv, n_ok, dv_ok)
 
     # m_i, l_i are in log2 units from here on
-    if not SPLIT:
+    final = not SPLIT
+    if SPLIT:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+        lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        base = (tok * num_heads + head) * num_parts + part_base
+        tl.store(part_out + (base + split)[:, None] * DV_PAD + offs_dv[None, :], o,
+                 mask=m_ok[:, None] & dv_ok[None, :])
+        tl.store(part_lse + base + split, lse2, mask=m_ok)
+        if MERGE:
+            final, m_i, l_i, acc = _merge_own_splits(
+                part_out, part_lse, counters, base, num_splits, m_i, l_i, acc, m_ok, offs_dv,
+                dv_ok, DV_PAD)
+            acc = acc / v_scale  # the partials carry v_scale, applied again below
+    if final:
         if USE_SINKS:
             sink = tl.load(sinks + head, mask=m_ok, other=float("-inf")) * 1.4426950408889634
             m_tot = tl.maximum(m_i, sink)
@@ -305,13 +331,28 @@ def unified_attention_kernel(
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                  o.to(out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-    else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
-        lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        base = (tok * num_heads + head) * num_parts + part_base + split
-        tl.store(part_out + base[:, None] * DV_PAD + offs_dv[None, :], o,
-                 mask=m_ok[:, None] & dv_ok[None, :])
-        tl.store(part_lse + base, lse2, mask=m_ok)
+
+
+@triton.jit
+def _merge_own_splits(part_out, part_lse, counters, base, num_splits, m_i, l_i, acc, m_ok,
+                      offs_dv, dv_ok, DV_PAD: tl.constexpr):
+    """Count this split done on its program's counter; the last split of the launch (every
+    partial written and visible: release / acquire at GPU scope after a CTA barrier) folds
+    the `num_splits` partials at ``base + i`` into (m_i, l_i, acc), from nothing, and
+    resets the counter. Returns (whether this program is the last, m_i, l_i, acc)."""
+    ctr = counters + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.debug_barrier()  # every thread's partial stores before the release
+    ticket = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == num_splits - 1
+    if last:
+        tl.store(ctr, 0)
+        m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+        l_i = tl.zeros(l_i.shape, tl.float32)
+        acc = tl.zeros(acc.shape, tl.float32)
+        for i in range(num_splits):
+            m_i, l_i, acc = _fold_partial(m_i, l_i, acc, part_out, part_lse, base + i, m_ok,
+                                          offs_dv, dv_ok, DV_PAD)
+    return last, m_i, l_i, acc
 
 
 @triton.jit
@@ -624,7 +665,7 @@ def small_m_linear_kernel(
     x, w, y, delta, gamma, h_out, M, N, eps, stride_xm, stride_wn, stride_ym, stride_dm,
     stride_hm, K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr, ADD: tl.constexpr,
-    NORM: tl.constexpr, GLU: tl.constexpr,
+    NORM: tl.constexpr, GLU: tl.constexpr, STAGES: tl.constexpr,
 ):
     """y[:, n0:n0 + BLOCK_N] = x @ w[n0:n0 + BLOCK_N].T for x's M (<= M_PAD) rows, the
     weight rows streamed once in BLOCK_K tiles. M_PAD 1: a multiply-and-sum; else tl.dot
@@ -633,7 +674,11 @@ def small_m_linear_kernel(
     ADD: the input is h = x + delta (rounded to x's dtype), which program 0 writes to
     h_out. NORM: the input is RMSNorm(h) = h / sqrt(mean(h^2) + eps) * gamma (float32
     inside, rounded to x's dtype; every program sums the squares of its rows itself). GLU:
-    w holds 2 N rows, gate then up, and y = silu(x @ gate.T) * (x @ up.T)."""
+    w holds 2 N rows, gate then up, and y = silu(x @ gate.T) * (x @ up.T).
+
+    STAGES: weight tiles in flight (the loop's software pipeline, through shared memory);
+    set on the loop itself, since Triton pipelines a loop whose loads feed no tl.dot (the
+    one-row product) only when the loop asks for it."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
@@ -656,13 +701,13 @@ def small_m_linear_kernel(
             hf = h.to(tl.float32)
             rstd += tl.sum(hf * hf, 1)
         rstd = 1.0 / tl.sqrt(rstd / K + eps)
-    # the first tile apart, so the loop's loads are unconditional (and pipelined)
+    # the first tile apart: the loop's loads are unconditional (and pipelined)
     xt = _gemv_input(x, delta, gamma, rstd, h_out, offs_k, offs_m, m_ok, stride_xm,
                      stride_dm, stride_hm, K, ADD, NORM)
     acc = _gemv_acc(_gemv_zeros(M_PAD, BLOCK_N, BLOCK_K), xt, wt, M_PAD, IEEE)
     if GLU:
         acc_u = _gemv_acc(_gemv_zeros(M_PAD, BLOCK_N, BLOCK_K), xt, ut, M_PAD, IEEE)
-    for i in range(1, (K + BLOCK_K - 1) // BLOCK_K):
+    for i in tl.range(1, (K + BLOCK_K - 1) // BLOCK_K, num_stages=STAGES):
         kk = i * BLOCK_K + offs_k
         k_ok = (kk < K)[None, :]
         wt = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)

@@ -23,8 +23,9 @@ from graphattn.backends.launch_config import (
 )
 from graphattn.backends.reference import is_fp8
 
-__all__ = ["Append", "check_contiguous_caches", "indexer_scores", "launch_rope_write_kv",
-           "launch_shared_prefix", "launch_write_kv", "triton_attention", "triton_cascade"]
+__all__ = ["SPLIT_COUNTERS", "Append", "SplitCounters", "check_contiguous_caches",
+           "indexer_scores", "launch_rope_write_kv", "launch_shared_prefix", "launch_write_kv",
+           "triton_attention", "triton_cascade"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,37 @@ class Append:
     slot_mapping: torch.Tensor
     positions: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
+
+
+class SplitCounters:
+    """Zeroed int32 counters on which the splits of a launch count themselves
+    (`TritonConfig.merge`), one buffer per (device, stream): launches on one stream run one
+    after another, and each launch's last split puts its counter back to 0.
+
+    A buffer is made outside stream capture only (a runner's warm-ups run on its capture
+    stream first); a launch captured on a stream without one big enough merges in the
+    separate kernel. Buffers live as long as the process: captured graphs hold their
+    addresses. Graphs captured on one stream share its buffer, so they must not run at the
+    same time (the runner replays its graphs one after another on one stream).
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor | None:
+        """A zeroed buffer of at least `n` counters for the current stream, or None."""
+        cuda = device.type == "cuda"
+        key = (str(device), torch.cuda.current_stream(device).cuda_stream if cuda else 0)
+        held = self._held.setdefault(key, [])
+        if held and held[-1].numel() >= n:
+            return held[-1]
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        held.append(torch.zeros(max(4096, pow2(n)), dtype=torch.int32, device=device))
+        return held[-1]
+
+
+SPLIT_COUNTERS = SplitCounters()
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -100,8 +132,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                      launch: tuple[TritonConfig, int, int, dict] | None = None
                      ) -> torch.Tensor | None:
-    """Paged attention through the unified kernel (+ the split merge); see
-    `torch.ops.graphattn.paged_attention` for the arguments.
+    """Paged attention through the unified kernel, its splits merged in the launch or by the
+    merge kernel (`_split_counters`); see `torch.ops.graphattn.paged_attention`.
 
     `uniform_query_len`: every row has that many tokens (0: mixed rows); `max_len`: the
     bound of every row's length; `config`: the launch config (default `decode_config` for
@@ -123,29 +155,41 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q if q.stride(-1) == 1 else q.contiguous()
     cfg, num_tiles, num_splits, consts = launch or _attention_launch(
         q, k_cache, v_cache, rows, uniform_query_len, max_len, config)
+    grid = (num_tiles * (consts["G"] // consts["G_TILE"]), k_cache.shape[2], num_splits)
+    counters = _split_counters(cfg, q.device, grid, parts is not None)
     consts = dict(consts, USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
                   USE_SINKS=sinks is not None and parts is None,
                   USE_KV_START=kv_start is not None, FP8=is_fp8(k_cache.dtype),
                   SPLIT=num_splits > 1 or parts is not None, APPEND=append is not None,
                   ROTATE=append is not None and append.inv_freq is not None,
-                  PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1])
+                  PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1],
+                  MERGE=counters is not None)
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]
     part, part_lse, base, num_parts = _partials(out, parts, prefix, num_splits, consts["DV_PAD"])
     sink_arg = sinks if sinks is not None else out
-    groups = consts["G"] // consts["G_TILE"]
-    _launch_unified(cfg, (num_tiles * groups, k_cache.shape[2], num_splits), consts, out, part,
-                    part_lse, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                    sink_arg, *_append_args(append, q, seq_lens),
-                    seq_lens if kv_start is None else kv_start, scale * scales[0],
+    _launch_unified(cfg, grid, consts, out, part, part_lse, q, k_cache, v_cache, block_table,
+                    seq_lens, query_start_loc, sink_arg, *_append_args(append, q, seq_lens),
+                    seq_lens if kv_start is None else kv_start,
+                    seq_lens if counters is None else counters, scale * scales[0],
                     softcap if softcap > 0 else 1.0, window, *map(float, scales), rows, h, t,
                     num_splits, num_parts, base, append=append)
     if parts is not None:
         return None
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _merge_splits(out, part, part_lse, sink_arg, query_start_loc, rows, num_splits,
                       consts["DV_PAD"], sinks is not None, cfg.pdl)
     return out
+
+
+def _split_counters(cfg: TritonConfig, device: torch.device, grid: tuple[int, int, int],
+                    to_parts: bool) -> torch.Tensor | None:
+    """The counters on which a split launch of `grid` merges its splits itself, or None
+    (the merge kernel merges them): unsplit, `cfg.merge` off, partials kept for the caller
+    (`to_parts`), or a stream without `SPLIT_COUNTERS` under capture."""
+    if not cfg.merge or grid[2] == 1 or to_parts:
+        return None
+    return SPLIT_COUNTERS.get(device, grid[0] * grid[1])
 
 
 def _checked_append(append: Append | None, d: int, k_cache: torch.Tensor,

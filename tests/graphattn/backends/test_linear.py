@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from graphattn.backends.linear import (
+    GEMV_PIPELINE_BYTES,
     MAX_M,
     GemvConfig,
     GemvPrologue,
     SmallMLinear,
     gemv_config,
+    gemv_stages,
     launch_small_m_linear,
     swap_linears,
     use_small_m_linear,
@@ -122,6 +124,11 @@ def test_kernel_choice_from_cpu_numbers():
     assert gemv_config(1, 16384, 2048, torch.device("cpu")).block_n == 16
     assert gemv_config(1, 2048, 8192, torch.device("cpu")).block_n == 8
     assert gemv_config(4, 2048, 8192, torch.device("cpu")).block_n == 16  # tl.dot's floor
+    # the loop's pipeline: the config's stages while their tiles fit GEMV_PIPELINE_BYTES
+    cfg = GemvConfig(block_n=16, block_k=512, num_stages=3)
+    assert gemv_stages(cfg, 2, glu=False) == 3 and gemv_stages(cfg, 2, glu=True) == 3
+    assert gemv_stages(cfg, 4, glu=True) == GEMV_PIPELINE_BYTES // (16 * 512 * 4 * 2) == 1
+    assert gemv_stages(GemvConfig(block_n=64, block_k=1024), 4, glu=True) == 1
 
 
 def test_swap_linears_keeps_the_modules_and_their_outputs():

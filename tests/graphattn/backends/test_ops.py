@@ -120,6 +120,17 @@ def test_split_plan_from_cpu_numbers():
     assert split_plan(3, 2, 100, 64) == 2  # at most one split per block_n keys of the bound
 
 
+def test_split_counters_are_zeroed_kept_and_grown_per_stream():
+    counters = triton_launch.SplitCounters()
+    cpu = torch.device("cpu")
+    first = counters.get(cpu, 10)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and int(first.abs().sum()) == 0
+    assert counters.get(cpu, first.numel()) is first  # one buffer while it is big enough
+    bigger = counters.get(cpu, first.numel() + 1)
+    assert bigger.numel() > first.numel() and int(bigger.abs().sum()) == 0
+    assert counters._held[(str(cpu), 0)] == [first, bigger]  # graphs may hold the old one
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @pytest.mark.parametrize("name", sorted(CFGS))
@@ -457,6 +468,51 @@ def test_triton_pdl_launches_captured_in_a_graph_match_the_reference():
             g.replay()
         torch.testing.assert_close(a.double(), reference(q), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(b.double(), reference(a), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_split_launches_merge_their_splits_themselves_eager_and_captured():
+    """A split launch's last split merges (`TritonConfig.merge`), sinks included: eager, and
+    in a graph captured on a stream whose warm-up made its counters, replayed with new
+    device lengths under no_host_sync(); a capture on a stream without counters falls back
+    to the merge kernel. Against float64, and every counter back at 0 after."""
+    torch.manual_seed(0)
+    rows, h, d, bs, nblk = 3, 8, 64, 16, 16
+    kc, vc, bt, qsl, seq, q = decode_rows([5, 200, 77], nblk, h=h, d=d, bs=bs)
+    sinks = torch.randn(h, device="cuda")
+
+    def step(merge: bool) -> torch.Tensor:
+        return triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, sinks,
+                                config=TritonConfig(block_n=32, waves=8, merge=merge))
+
+    def reference() -> torch.Tensor:
+        return gather_paged_attention(
+            q.double(), kc.double(), vc.double(), qsl, seq, bt,
+            torch.zeros(rows, dtype=torch.int64, device="cuda"), d ** -0.5, rows, 1, nblk,
+            sinks=sinks.double())
+
+    for merge in (True, False):
+        torch.testing.assert_close(step(merge).double(), reference(), rtol=2e-2, atol=2e-2)
+    warmed, bare = torch.cuda.Stream(), torch.cuda.Stream()
+    warmed.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmed):
+        step(True)
+    torch.cuda.synchronize()
+    graphs, outs = [torch.cuda.CUDAGraph() for _ in range(2)], []
+    for g, stream in zip(graphs, (warmed, bare), strict=True):
+        with torch.cuda.graph(g, stream=stream):
+            outs.append(step(True))
+    for lens in ([1, 256, 30], [100, 3, 255], [256, 256, 256]):
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        with no_host_sync():
+            for g in graphs:
+                g.replay()
+        for out in outs:
+            torch.testing.assert_close(out.double(), reference(), rtol=2e-2, atol=2e-2)
+    held = triton_launch.SPLIT_COUNTERS._held
+    assert (str(q.device), bare.cuda_stream) not in held  # its capture made none
+    assert held[(str(q.device), warmed.cuda_stream)]
+    assert all(int(c.abs().sum()) == 0 for cs in held.values() for c in cs)
 
 
 def test_decode_config_carries_pdl_and_splits_wider_below_96_programs():

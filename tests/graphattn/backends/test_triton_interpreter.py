@@ -1,7 +1,8 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton compiles anything, hence a child process), against the float64 references of
-test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged;
-programs taking part of a KV head's query heads), the K/V write, the fused rope + write +
+test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged,
+in the launch or by the merge kernel; programs taking part of a KV head's query heads), the
+K/V write, the fused rope + write +
 decode attention (an fp8 cache too) and the write + decode attention of rotated q and k,
 the rotation at far positions, the sparse indexer's scores over the paged index cache and
 its attention over the selection (one-slot pages), shared-prefix attention (the prefix pass
@@ -99,7 +100,9 @@ def _check_attention() -> None:
     for feature in sorted(t.FEATURES):
         f = t.FEATURES[feature]
         sinks = torch.randn(h) if f.get("sinks") else None
-        for waves in (0, 64):
+        for waves, merge in ((0, True), (64, True), (64, False)):  # unsplit; split, merged in
+            # the launch or by the merge kernel
+            config = launch_config.TritonConfig(block_n=16, waves=waves, merge=merge)
             case = t._decode_qkv_case("cpu", torch.float32)
             qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
             ref, kref, vref = t._decode_qkv_reference(case, h, hkv, f.get("window", 0),
@@ -107,8 +110,7 @@ def _check_attention() -> None:
             q = qkv.view(qkv.shape[0], h + 2 * hkv, -1)[:, :h]
             out = triton_launch.triton_attention(q, kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64,
                                         f.get("window", 0), f.get("softcap", 0.0), sinks,
-                                        config=launch_config.TritonConfig(block_n=16, waves=waves),
-                                        append=t.rope_append(case, h, hkv))
+                                        config=config, append=t.rope_append(case, h, hkv))
             rows = bt.shape[0]
             torch.testing.assert_close(out[:rows].double(), ref[:rows], rtol=1e-4, atol=1e-4)
             assert out[rows:].abs().sum().item() == 0
@@ -120,13 +122,15 @@ def _check_attention() -> None:
             kc, vc = case[3], case[4]
             out = triton_launch.triton_attention(
                 heads[:, :h], kc, vc, qsl, seq, bt, 32 ** -0.5, 1, 64, f.get("window", 0),
-                f.get("softcap", 0.0), sinks,
-                config=launch_config.TritonConfig(block_n=16, waves=waves),
+                f.get("softcap", 0.0), sinks, config=config,
                 append=triton_launch.Append(heads[:, h:h + hkv], heads[:, h + hkv:], slots))
             torch.testing.assert_close(out[:rows].double(), ref[:rows], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
     t.check_head_groups("cpu", torch.float32, 1e-4)  # programs taking part of a KV group
+    for held in triton_launch.SPLIT_COUNTERS._held.values():  # every last split reset its own
+        assert all(int(c.abs().sum()) == 0 for c in held)
+    assert triton_launch.SPLIT_COUNTERS._held, "no launch merged its splits itself"
 
 
 def _check_other_kernels() -> None:
