@@ -281,7 +281,7 @@ def attention_rows(cfg, batch: int, length: int, bw: float) -> list[dict]:
     return rows
 
 
-def split_merge_rows(cfg, lengths: list[int], layers: int) -> list[dict]:
+def split_merge_rows(cfg, lengths: tuple[int, ...], layers: int) -> list[dict]:
     """Batch-1 decode attention of `layers` layers chained in one CUDA graph (each layer's
     output the next one's query, each its own cache), split as `decode_config` splits it:
     the splits merged inside the launch (`TritonConfig.merge`) against the merge kernel."""
