@@ -128,7 +128,7 @@ def test_split_counters_are_zeroed_kept_and_grown_per_stream():
     assert counters.get(cpu, first.numel()) is first  # one buffer while it is big enough
     bigger = counters.get(cpu, first.numel() + 1)
     assert bigger.numel() > first.numel() and int(bigger.abs().sum()) == 0
-    assert counters._held[(str(cpu), 0)] == [first, bigger]  # graphs may hold the old one
+    assert counters.buffers(cpu) == [first, bigger]  # graphs may hold the old one
 
 
 @pytest.mark.cuda
@@ -509,10 +509,11 @@ def test_split_launches_merge_their_splits_themselves_eager_and_captured():
                 g.replay()
         for out in outs:
             torch.testing.assert_close(out.double(), reference(), rtol=2e-2, atol=2e-2)
-    held = triton_launch.SPLIT_COUNTERS._held
-    assert (str(q.device), bare.cuda_stream) not in held  # its capture made none
-    assert held[(str(q.device), warmed.cuda_stream)]
-    assert all(int(c.abs().sum()) == 0 for cs in held.values() for c in cs)
+    counters = triton_launch.SPLIT_COUNTERS
+    assert not counters.buffers(q.device, bare.stream_id)  # its capture made none
+    made = counters.buffers(q.device, warmed.stream_id)
+    made += counters.buffers(q.device, torch.cuda.current_stream().stream_id)
+    assert made and all(int(c.abs().sum()) == 0 for c in made)
 
 
 def test_decode_config_carries_pdl_and_splits_wider_below_96_programs():
