@@ -308,6 +308,7 @@ def unified_attention_kernel(
 
     # m_i, l_i are in log2 units from here on
     final = not SPLIT
+    o_scale = v_scale
     if SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
@@ -319,7 +320,7 @@ def unified_attention_kernel(
             final, m_i, l_i, acc = _merge_own_splits(
                 part_out, part_lse, counters, base, num_splits, m_i, l_i, acc, m_ok, offs_dv,
                 dv_ok, DV_PAD)
-            acc = acc / v_scale  # the partials carry v_scale, applied again below
+            o_scale = 1.0  # the partials carry v_scale
     if final:
         if USE_SINKS:
             sink = tl.load(sinks + head, mask=m_ok, other=float("-inf")) * 1.4426950408889634
@@ -328,7 +329,7 @@ def unified_attention_kernel(
             l_i = l_i * tl.exp2(m_i - m_tot) + tl.exp2(sink - m_tot)
             acc = acc * tl.exp2(m_i - m_tot)[:, None]
             m_i = m_tot
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * o_scale
         tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                  o.to(out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
 
