@@ -91,14 +91,18 @@ def rows_for(m: int, weights: list, head: torch.Tensor, bw: float, steps: int,
     return rows
 
 
+def projection_kinds(weights: list, head: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """{kind: its weights}: each projection kind's 16 layers, and the LM head."""
+    return {"qkv": [ws[0] for ws in weights], "o": [ws[1] for ws in weights],
+            "gate_up": [ws[2] for ws in weights], "down": [ws[3] for ws in weights],
+            "lm_head": [head]}
+
+
 def shape_rows(m: int, weights: list, head: torch.Tensor, bw: float, steps: int) -> list[dict]:
     """Each projection kind alone (its 16 layers' weights, or the LM head), cuBLAS against
     the default GEMV: which shapes, if any, the GEMV should take."""
-    kinds = {"qkv": [ws[0] for ws in weights], "o": [ws[1] for ws in weights],
-             "gate_up": [ws[2] for ws in weights], "down": [ws[3] for ws in weights],
-             "lm_head": [head]}
     rows = []
-    for kind, ws in kinds.items():
+    for kind, ws in projection_kinds(weights, head).items():
         x = torch.randn(m, ws[0].shape[1], device="cuda", dtype=head.dtype)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         for name, linear in (("cublas", torch.nn.functional.linear),
@@ -118,11 +122,8 @@ SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
 def sweep_rows(m: int, weights: list, head: torch.Tensor, bw: float, steps: int) -> list[dict]:
     """Each projection kind alone under every `SWEEP` config of the GEMV, beside cuBLAS;
     one row per kind: cuBLAS's µs, the best config and its µs."""
-    kinds = {"qkv": [ws[0] for ws in weights], "o": [ws[1] for ws in weights],
-             "gate_up": [ws[2] for ws in weights], "down": [ws[3] for ws in weights],
-             "lm_head": [head]}
     rows = []
-    for kind, ws in kinds.items():
+    for kind, ws in projection_kinds(weights, head).items():
         x = torch.randn(m, ws[0].shape[1], device="cuda", dtype=head.dtype)
         floor_us = sum(w.numel() * w.element_size() for w in ws) / bw * 1e6
         cublas = graph_time(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws],
