@@ -5,14 +5,17 @@ come from this table.
     python -m bench.tune_attention [--out DIR] [--models tiny,1b] [--shapes 1:2048,128:512]
                                    [--bucket] [--quick] [--layers 8] [--tag NAME]
                                    [--block-n 32,64,128] [--stages 2,3] [--waves 0,1,2,4]
-                                   [--pdl 0,1] [--kv-dtype fp8_e4m3] [--suffix 2048]
-                                   [--cascade 2048]
+                                   [--pdl 0,1] [--merge 0,1] [--kv-dtype fp8_e4m3]
+                                   [--suffix 2048] [--cascade 2048]
 
 One graph holds `--layers` calls, each on its own cache (as a model's layers: no call reads
 KV another left in L2), and a row's `us` is the graph's time over that count: the launch
 gaps between calls, and the split merge's launch, count as they do in a step; one call per
 graph (`--layers 1`) is dominated by the graph launch. `waves` 0 is the unsplit kernel;
-every config runs with and without programmatic dependent launch (`pdl`).
+every config runs with and without programmatic dependent launch (`pdl`), and split ones
+with their splits merged in the launch (`merge`, the default) or, with `--merge 0,1`, also by
+the merge kernel. Graphs are captured after a warm-up on their capture stream, as the runner
+captures, so the in-launch merge is what they record.
 
 `--kv-dtype fp8_e4m3`: the caches hold float8 e4m3 (unit scales), a row's bandwidth counts
 one byte an element. `--suffix P`: the suffix pass of shared-prefix attention: each row's
@@ -111,6 +114,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--stages", default="2,3", help="num_stages to try (without --quick)")
     ap.add_argument("--waves", default="0,1,2,4", help="split targets to try (0: no split)")
     ap.add_argument("--pdl", default="0,1", help="pdl off (0) and/or on (1)")
+    ap.add_argument("--merge", default="1",
+                    help="split launches merge their splits themselves (1) and/or through the "
+                         "merge kernel (0)")
     ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8_e4m3"),
                     help="cache dtype")
@@ -130,10 +136,11 @@ def main():
     rng = np.random.default_rng(0)
     rows = []
     ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
-    pdl = tuple(bool(v) for v in ints(args.pdl))
+    pdl, merge = (tuple(bool(v) for v in ints(text)) for text in (args.pdl, args.merge))
     grid = (ints(args.block_n), (4,), (2,), ints(args.waves), pdl) if args.quick else (
         ints(args.block_n), (4, 8), ints(args.stages), ints(args.waves), pdl)
-    configs = [TritonConfig(*c) for c in itertools.product(*grid)]
+    configs = [TritonConfig(*c[:5], merge=c[5]) for c in itertools.product(*grid, merge)
+               if c[5] or c[3] != 0]  # merging is moot where nothing splits
     kv_dtype = cache_dtype(None if args.kv_dtype == "bfloat16" else args.kv_dtype,
                            torch.bfloat16)
     for name in args.models.split(","):
@@ -175,7 +182,7 @@ def _print_robust(rows: list[dict]) -> None:
         bests[k] = min(bests.get(k, 1e9), r["us"])
     score = {}
     for r in rows:
-        c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"], r["pdl"])
+        c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"], r["pdl"], r["merge"])
         k = (r["model"], r["batch"], r["length"])
         score.setdefault(c, []).append(r["us"] / bests[k])
     full = {c: max(v) for c, v in score.items() if len(v) == len(bests)}
