@@ -2,13 +2,13 @@
 Triton compiles anything, hence a child process), against the float64 references of
 test_ops: the unified attention kernel (mixed, decode, spec-decode rows; split and merged,
 in the launch or by the merge kernel; programs taking part of a KV head's query heads), the
-K/V write, the fused rope + write +
-decode attention (an fp8 cache too) and the write + decode attention of rotated q and k,
-the rotation at far positions, the sparse indexer's scores over the paged index cache and
-its attention over the selection (one-slot pages), shared-prefix attention (the prefix pass
-and the suffix pass from each row's start, uniform and mixed rows), and the small-M GEMV
-(its residual add, norm prologue and gated epilogue too). The GPU runs the same kernels
-compiled (the cuda tests of test_ops); this catches a logic error on any machine."""
+K/V write, the fused rope + write + decode attention (an fp8 cache too) and the write +
+decode attention of rotated q and k, the rotation at far positions, the sparse indexer's
+scores over the paged index cache and its attention over the selection (one-slot pages),
+shared-prefix attention (the prefix pass and the suffix pass from each row's start, uniform
+and mixed rows), and the small-M GEMV (its residual add, norm prologue and gated epilogue
+too). The GPU runs the same kernels compiled (the cuda tests of test_ops); this catches a
+logic error on any machine."""
 
 from __future__ import annotations
 
