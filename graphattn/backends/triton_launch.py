@@ -22,6 +22,7 @@ from graphattn.backends.launch_config import (
     tiles,
 )
 from graphattn.backends.reference import is_fp8
+from graphattn.transfer import CurrentStream
 
 __all__ = ["SPLIT_COUNTERS", "Append", "SplitCounters", "check_contiguous_caches",
            "indexer_scores", "launch_rope_write_kv", "launch_shared_prefix", "launch_write_kv",
@@ -65,6 +66,7 @@ class SplitCounters:
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._current: dict[torch.device, CurrentStream] = {}
 
     def buffers(self, device: torch.device, stream_id: int = 0) -> list[torch.Tensor]:
         """The buffers made for `device` and the stream of that ``stream_id`` (0 off CUDA),
@@ -74,7 +76,10 @@ class SplitCounters:
     def get(self, device: torch.device, n: int) -> torch.Tensor | None:
         """A zeroed buffer of at least `n` counters for the current stream, or None."""
         cuda = device.type == "cuda"
-        held = self._held.setdefault((str(device), _stream_id(device) if cuda else 0), [])
+        if cuda and device not in self._current:
+            self._current[device] = CurrentStream(device)
+        stream_id = self._current[device]().stream_id if cuda else 0
+        held = self._held.setdefault((str(device), stream_id), [])
         if held and held[-1].numel() >= n:
             return held[-1]
         if cuda and torch.cuda.is_current_stream_capturing():
@@ -84,15 +89,6 @@ class SplitCounters:
 
 
 SPLIT_COUNTERS = SplitCounters()
-
-
-def _stream_id(device: torch.device) -> int:
-    """The current stream's ``stream_id`` on `device`, without building a Stream object
-    where the installed torch lets it (``torch.cuda.current_stream`` builds one)."""
-    get = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if get is None:
-        return torch.cuda.current_stream(device).stream_id
-    return get(device_index(device))[0]
 
 
 def check_contiguous_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
