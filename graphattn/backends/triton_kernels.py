@@ -702,7 +702,7 @@ def small_m_linear_kernel(
             hf = h.to(tl.float32)
             rstd += tl.sum(hf * hf, 1)
         rstd = 1.0 / tl.sqrt(rstd / K + eps)
-    # the first tile apart: the loop's loads are unconditional (and pipelined)
+    # the first tile apart: its weights were loaded before the PDL wait
     xt = _gemv_input(x, delta, gamma, rstd, h_out, offs_k, offs_m, m_ok, stride_xm,
                      stride_dm, stride_hm, K, ADD, NORM)
     acc = _gemv_acc(_gemv_zeros(M_PAD, BLOCK_N, BLOCK_K), xt, wt, M_PAD, IEEE)

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphattn.backends import linear  # noqa: F401  (registers the small-M ops)
-from graphattn.backends.linear import MAX_M
+from graphattn.backends.linear import MAX_M  # importing it registers the small-M ops
 from graphattn.backends.paged import PagedAttentionImpl, PagedAttentionMetadata
 from graphattn.backends.reference import (
     allocate_kv_cache,
