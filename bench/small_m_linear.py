@@ -22,6 +22,7 @@ import torch
 
 from bench.graph_replay import event_times, hbm_bandwidth
 from bench.setup import result_meta
+from bench.timing import capture_warm
 from graphattn.backends.linear import GemvConfig, gemv_config, launch_small_m_linear
 
 HIDDEN, QKV, INTER, VOCAB, LAYERS = 2048, 3072, 8192, 128256, 16
@@ -54,12 +55,7 @@ def step_fn(linear: Callable, weights: list, head: torch.Tensor, x: torch.Tensor
 
 def graph_time(step: Callable, steps: int) -> float:
     """Median µs of one replay of `step` captured in a CUDA graph."""
-    for _ in range(2):
-        step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return float(np.median(event_times(graph.replay, steps)))
+    return float(np.median(event_times(capture_warm(step).replay, steps)))
 
 
 def config_linear(overrides: dict) -> Callable:
