@@ -55,10 +55,14 @@ class GemvConfig:
 
 
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """The default config for an [m, k] x [n, k]^T product: the largest `block_n` (16 down
-    to the kernel's floor) that still gives two programs per multiprocessor. PDL stays off:
-    in `bench.small_m_linear` (H100) the chain ran slower with it."""
-    floor, block_n = (8 if m == 1 else 16), 16
+    """The default config for an [m, k] x [n, k]^T product. One row: 8 outputs a program,
+    1,024-wide K tiles (the fastest of 36 configs for each 1B projection in
+    `bench.small_m_linear --sweep --rows 1`, H100). More rows: the largest `block_n` (16
+    down to tl.dot's floor) that still gives two programs per multiprocessor. PDL stays
+    off: in `bench.small_m_linear` (H100) the chain ran slower with it."""
+    if m == 1:
+        return GemvConfig(block_n=8, block_k=min(1024, max(64, pow2(k) // 2)))
+    floor, block_n = 16, 16
     sms = num_sms(device) if device.type == "cuda" else 132
     while block_n > floor and -(-n // block_n) < 2 * sms:
         block_n //= 2

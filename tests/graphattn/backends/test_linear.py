@@ -121,8 +121,9 @@ def test_meta_shapes():
 def test_kernel_choice_from_cpu_numbers():
     w = torch.empty(8, 4)
     assert not use_small_m_linear(torch.empty(1, 4), w)  # CPU
-    assert gemv_config(1, 16384, 2048, torch.device("cpu")).block_n == 16
-    assert gemv_config(1, 2048, 8192, torch.device("cpu")).block_n == 8
+    for n, k in ((16384, 2048), (2048, 8192), (128256, 2048)):  # one row: the sweep's best
+        assert gemv_config(1, n, k, torch.device("cpu")) == GemvConfig(block_n=8, block_k=1024)
+    assert gemv_config(1, 64, 256, torch.device("cpu")).block_k == 128
     assert gemv_config(4, 2048, 8192, torch.device("cpu")).block_n == 16  # tl.dot's floor
     # the loop's pipeline: the config's stages while their tiles fit GEMV_PIPELINE_BYTES
     cfg = GemvConfig(block_n=16, block_k=512, num_stages=3)
