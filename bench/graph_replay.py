@@ -23,7 +23,8 @@ it, and the gated activation after the up projection, in the same launch),
 embeddings, through `HFCausalLM`: its own forward in our graphs, eager or compiled with
 programmatic dependent launch; the same weight bytes in the floor), `hf_fused_pdl`
 (`hf_compiled_pdl` after `graphattn.fuse_projections`: q / k / v and gate / up one matmul
-each),
+each), `hf_gemv` (`hf_fused_pdl` with its projections of up to 16 rows through the Triton
+GEMV, `swap_linears`),
 `torch_compile_reduce_overhead` (bench.compile_baseline, its own process),
 `handwritten_sdpa_graph` / `handwritten_compiled_graph` (bench.handwritten), and
 `replay_floor` / `replay_floor_compiled` (the graphs of `graphattn_graphs` /
@@ -73,7 +74,7 @@ WARMUP = 5
 RUNNER_MODES = ("graphattn_graphs", "graphattn_compiled_graphs", "graphattn_compiled_pdl",
                 "graphattn_compiled_dynamic", "graphattn_compiled_blocks", "graphattn_gemv",
                 "graphattn_fp8kv", "graphattn_small_m", "hf_graphs", "hf_compiled_pdl",
-                "hf_fused_pdl")
+                "hf_fused_pdl", "hf_gemv")
 HANDWRITTEN = {"handwritten_sdpa_graph": None, "handwritten_compiled_graph": "default"}
 FLOORS = {"graphattn_graphs": "replay_floor", "graphattn_compiled_graphs": "replay_floor_compiled"}
 MODES = (*RUNNER_MODES, "torch_compile_reduce_overhead", *HANDWRITTEN, *FLOORS.values(),
@@ -334,7 +335,7 @@ GROUPS = (("graphattn_graphs", "replay_floor"),
           ("graphattn_compiled_graphs", "replay_floor_compiled"), ("graphattn_compiled_pdl",),
           ("graphattn_compiled_dynamic",), ("graphattn_compiled_blocks",), ("graphattn_gemv",),
           ("graphattn_fp8kv",), ("graphattn_small_m",), ("hf_graphs",), ("hf_compiled_pdl",),
-          ("hf_fused_pdl",),
+          ("hf_fused_pdl",), ("hf_gemv",),
           ("handwritten_sdpa_graph",), ("handwritten_compiled_graph",), ("attention",))
 
 
@@ -369,13 +370,15 @@ def mode_runner(mode: str, setup, policy: BucketPolicy) -> GraphRunner:
     setup.model.small_m = mode == "graphattn_small_m"
     if mode.startswith("hf_"):
         forward = hf_llama(k0.device, k0.dtype, setup.model.cfg)
-        if mode == "hf_fused_pdl":
+        if mode in ("hf_fused_pdl", "hf_gemv"):
             fuse_projections(forward.model)
+        if mode == "hf_gemv":
+            swap_linears(forward.model)
         setup.model.caches = []
         forward.allocate_caches(k0.shape[0] - 1, k0.shape[1])
     compile_cfg = CompileConfig(enabled=mode != "hf_graphs", pdl=mode in (
         "graphattn_compiled_pdl", "graphattn_compiled_dynamic", "graphattn_compiled_blocks",
-        "graphattn_gemv", "graphattn_small_m", "hf_compiled_pdl", "hf_fused_pdl"),
+        "graphattn_gemv", "graphattn_small_m", "hf_compiled_pdl", "hf_fused_pdl", "hf_gemv"),
         dynamic=mode in ("graphattn_compiled_dynamic", "graphattn_compiled_blocks"),
         regions="blocks" if mode == "graphattn_compiled_blocks" else "step")
     return GraphRunner(forward, setup.state, RunnerConfig(policy=policy, compile=compile_cfg))
