@@ -37,6 +37,7 @@ from graphattn.backends.triton_kernels import (
     unified_attention_kernel,
     write_kv_kernel,
 )
+from graphattn.backends.triton_launch import merge_consts
 
 POINTERS = {
     "out": "*bf16", "part_out": "*fp32", "part_lse": "*fp32",
@@ -62,6 +63,11 @@ def resources(cubin: bytes) -> str:
                              text=True, check=True).stdout
     m = re.search(r"REG:\d+ STACK:\d+", out)
     return m.group(0) if m else "?"
+
+
+def registers(got: dict) -> int:
+    """The registers a thread of a `build` result's kernel takes."""
+    return int(got["resources"].split()[0].split(":")[1])
 
 
 def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
@@ -94,7 +100,7 @@ def _attention(target: GPUTarget) -> None:
         consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=split, USE_SOFTCAP=cap,
                       USE_WINDOW=win, USE_SINKS=sinks, USE_PDL=pdl,
                       APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False, PREFIX_PARTS=0,
-                      MERGE=split)
+                      **merge_consts(split, 32, {**SHAPE, **tile}))
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=pdl)
         print("attention", {k: v for k, v in consts.items() if k.isupper() and k not in SHAPE},
@@ -107,11 +113,17 @@ def _attention(target: GPUTarget) -> None:
         consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, APPEND=rope, ROTATE=rope, USE_KV_START=False,
-                      FP8=fp8, PREFIX_PARTS=0, MERGE=split)
+                      FP8=fp8, PREFIX_PARTS=0,
+                      **merge_consts(split, 32, {"BLOCK_M": 16, **SHAPE}))
         got = build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True)
         print("decode", {"APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8}, got)
         assert not got["byte_smem_loads"], "a K / V tile read from shared memory bytewise"
+        if split:  # the last split's fold must not cost the key loop its occupancy
+            apart = build(unified_attention_kernel, {**consts, "MERGE": 0}, target,
+                          FP8_CACHES if fp8 else None, num_warps=4, num_stages=2,
+                          launch_pdl=True)
+            assert registers(got) <= registers(apart) + 16, (got, apart)
 
 
 def _latent_and_shared(target: GPUTarget) -> None:
@@ -123,7 +135,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
                       DV_PAD=512, PAGE=64, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=16, UNIFORM=True,
                       SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
                       USE_PDL=True, APPEND=False, ROTATE=False, USE_KV_START=False, FP8=False,
-                      PREFIX_PARTS=0, MERGE=split)
+                      PREFIX_PARTS=0, **merge_consts(split, 8, {"BLOCK_M": 16, "DV_PAD": 512}))
         got = build(unified_attention_kernel, consts, target, num_warps=4, num_stages=2,
                     launch_pdl=True)
         print("mla_decode", {"SPLIT": split}, got)
@@ -137,7 +149,7 @@ def _latent_and_shared(target: GPUTarget) -> None:
         consts = dict(**SHAPE, **tile, UNIFORM=uniform, SPLIT=not fold, USE_SOFTCAP=False,
                       USE_WINDOW=False, USE_SINKS=False, USE_PDL=uniform,
                       APPEND=False, ROTATE=False, USE_KV_START=True, FP8=fp8,
-                      PREFIX_PARTS=5 if fold else 0, MERGE=False)
+                      PREFIX_PARTS=5 if fold else 0, MERGE=0, MERGE_CHUNK=1)
         print("suffix", {"UNIFORM": uniform, "fp8": fp8, "PREFIX_PARTS": consts["PREFIX_PARTS"]},
               build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2))

@@ -154,7 +154,7 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr, APPEND: tl.constexpr, ROTATE: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr, PREFIX_PARTS: tl.constexpr,
-    MERGE: tl.constexpr,
+    MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     """Program (tile x head group, KV head, split) takes G_TILE of the G query heads of its
     KV head (all G unless the tile would not fit: MLA's 128 latent heads).
@@ -168,10 +168,11 @@ def unified_attention_kernel(
     `num_parts` per (token, head) (the suffix pass fills the parts after the prefix's).
     PREFIX_PARTS > 0 (unsplit suffix passes): the softmax starts from parts 0 ..
     PREFIX_PARTS - 1 of `num_parts` (the prefix pass's), so the output is final.
-    MERGE (with SPLIT): the splits of a (tile, head group, KV head) count themselves on
-    ``counters[program_id(0) * num_programs(1) + program_id(1)]`` (int32, 0 before the
-    launch) after writing their partials; the last one folds every partial into the output
-    (and the sinks) and puts the counter back to 0, so no merge kernel runs.
+    MERGE > 0 (with SPLIT; a power of two >= num_splits): the splits of a (tile, head
+    group, KV head) count themselves on ``counters[program_id(0) * num_programs(1) +
+    program_id(1)]`` (int32, 0 before the launch) after writing their partials; the last
+    one folds every partial into the output (and the sinks), MERGE_CHUNK splits a load,
+    and puts the counter back to 0, so no merge kernel runs.
 
     APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two equal
     to HEAD_DIM_V): each token's new key and value are `k_new` / `v_new` [T, Hkv, D]; the
@@ -318,8 +319,8 @@ def unified_attention_kernel(
         tl.store(part_lse + base + split, lse2, mask=m_ok)
         if MERGE:
             final, m_i, l_i, acc = _merge_own_splits(
-                part_out, part_lse, counters, base, num_splits, m_i, l_i, acc, m_ok, offs_dv,
-                dv_ok, DV_PAD)
+                part_out, part_lse, counters, base, num_splits, m_ok, offs_dv, dv_ok, DV_PAD,
+                MERGE, MERGE_CHUNK)
             o_scale = 1.0  # the partials carry v_scale
     if final:
         if USE_SINKS:
@@ -335,25 +336,43 @@ def unified_attention_kernel(
 
 
 @triton.jit
-def _merge_own_splits(part_out, part_lse, counters, base, num_splits, m_i, l_i, acc, m_ok,
-                      offs_dv, dv_ok, DV_PAD: tl.constexpr):
+def _merge_own_splits(part_out, part_lse, counters, base, num_splits, m_ok, offs_dv, dv_ok,
+                      DV_PAD: tl.constexpr, S_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
     """Count this split done on its program's counter; the last split of the launch (every
     partial written and visible: release / acquire at GPU scope after a CTA barrier) folds
-    the `num_splits` partials at ``base + i`` into (m_i, l_i, acc), from nothing, and
-    resets the counter. Returns (whether this program is the last, m_i, l_i, acc)."""
+    the `num_splits` (<= S_PAD) partials at ``base + i`` and resets the counter. Returns
+    (whether this program is the last, m, l, acc): the partials' softmax in log2 units.
+
+    The fold reads every LSE in one load, then the outputs S_CHUNK splits a load with
+    their weights known, so no load waits on the one before (a split at a time, one L2
+    round trip each, it cost more than the merge kernel's launch). Loads skip L1 (".cg"):
+    other programs of the launch wrote them."""
     ctr = counters + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.debug_barrier()  # every thread's partial stores before the release
     ticket = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
     last = ticket == num_splits - 1
+    m = tl.full(base.shape, float("-inf"), tl.float32)
+    l_i = tl.zeros(base.shape, tl.float32)
+    acc = tl.zeros((base.shape[0], DV_PAD), tl.float32)
     if last:
         tl.store(ctr, 0)
-        m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
-        l_i = tl.zeros(l_i.shape, tl.float32)
-        acc = tl.zeros(acc.shape, tl.float32)
-        for i in range(num_splits):
-            m_i, l_i, acc = _fold_partial(m_i, l_i, acc, part_out, part_lse, base + i, m_ok,
-                                          offs_dv, dv_ok, DV_PAD)
-    return last, m_i, l_i, acc
+        offs_s = tl.arange(0, S_PAD)
+        lse = tl.load(part_lse + base[None, :] + offs_s[:, None],
+                      mask=(offs_s < num_splits)[:, None] & m_ok[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l_i = tl.sum(tl.exp2(lse - m_safe[None, :]), 0)
+        offs_c = tl.arange(0, S_CHUNK)
+        for c in tl.static_range(0, S_PAD, S_CHUNK):
+            at = base[None, :] + (c + offs_c)[:, None]
+            ok = ((c + offs_c) < num_splits)[:, None] & m_ok[None, :]
+            lse_c = tl.load(part_lse + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(part_out + at[:, :, None] * DV_PAD + offs_dv[None, None, :],
+                        mask=(ok & (lse_c > float("-inf")))[:, :, None]
+                        & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(tl.exp2(lse_c - m_safe[None, :])[:, :, None] * o, 0)
+    return last, m, l_i, acc
 
 
 @triton.jit

@@ -172,7 +172,7 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   SPLIT=num_splits > 1 or parts is not None, APPEND=append is not None,
                   ROTATE=append is not None and append.inv_freq is not None,
                   PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1],
-                  MERGE=counters is not None)
+                  **merge_consts(counters is not None, num_splits, consts))
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]
     part, part_lse, base, num_parts = _partials(out, parts, prefix, num_splits, consts["DV_PAD"])
@@ -199,6 +199,18 @@ def _split_counters(cfg: TritonConfig, device: torch.device, grid: tuple[int, in
     if not cfg.merge or grid[2] == 1 or to_parts:
         return None
     return SPLIT_COUNTERS.get(device, grid[0] * grid[1])
+
+
+def merge_consts(merge: bool, num_splits: int, consts: dict) -> dict:
+    """The unified kernel's MERGE (the split count's power of two; 0: the merge kernel
+    merges) and MERGE_CHUNK (splits a load in the last split's fold: a [chunk, BLOCK_M,
+    DV_PAD] tile of 2,048 values at most; built for sm_90, larger chunks raised the decode
+    tile's registers from 80 to 168 and more, `bench.triton_compile_check`)."""
+    if not merge:
+        return {"MERGE": 0, "MERGE_CHUNK": 1}
+    s_pad = max(2, pow2(num_splits))
+    tile = consts["BLOCK_M"] * consts["DV_PAD"]
+    return {"MERGE": s_pad, "MERGE_CHUNK": max(1, min(s_pad, 2048 // tile))}
 
 
 def _checked_append(append: Append | None, d: int, k_cache: torch.Tensor,
