@@ -55,10 +55,11 @@ class TritonConfig:
     merge : bool
         A split launch merges its splits itself: the last split of each (row, head group)
         to finish, counted on `triton_launch.SPLIT_COUNTERS`, folds the others' partials
-        into the output. False (the default): a separate merge kernel after it. Measured in
-        `bench.graph_replay --modes attention` (H100, the 1B's batch-1 layers), the merge
-        kernel's launch costs less than the last split's serial fold: 4.8 against 7.2 µs a
-        layer at 512 tokens, 7.7 against 19.4 µs at 2,048.
+        into the output. False (the default): a separate merge kernel after it. In
+        `bench.graph_replay --modes attention` (H100, the 1B's batch-1 layers) the merge
+        kernel cost less than a fold that read one split at a time (4.8 against 7.2 µs a
+        layer at 512 tokens, 7.7 against 19.4 µs at 2,048); the fold now reads chunks of
+        splits a load, which has not been timed.
     """
 
     block_n: int = 64
