@@ -149,16 +149,37 @@ def test_triton_split_kv_long_rows():
               block_size=16, max_len=2048)
 
 
-def decode_rows(lens, nblk, h=8, hkv=2, d=64, bs=16):
-    """Random bf16 caches, a block table, one query token per row at device lengths `lens`:
-    (k_cache, v_cache, block_table, query_start_loc, seq_lens, q) on CUDA."""
+def decode_rows(lens, nblk, h=8, hkv=2, d=64, bs=16, device="cuda", dtype=torch.bfloat16):
+    """Random caches, a block table, one query token per row at device lengths `lens`:
+    (k_cache, v_cache, block_table, query_start_loc, seq_lens, q)."""
     rows = len(lens)
-    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(rows * nblk + 1, bs, hkv, d, device=device, dtype=dtype)
               for _ in range(2))
-    bt = torch.arange(rows * nblk, device="cuda", dtype=torch.int32).view(rows, nblk)
-    qsl = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
-    seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
-    return kc, vc, bt, qsl, seq, torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+    bt = torch.arange(rows * nblk, device=device, dtype=torch.int32).view(rows, nblk)
+    qsl = torch.arange(rows + 1, device=device, dtype=torch.int32)
+    seq = torch.tensor(lens, device=device, dtype=torch.int32)
+    return kc, vc, bt, qsl, seq, torch.randn(rows, h, d, device=device, dtype=dtype)
+
+
+def split_fold_case(device: str, dtype: torch.dtype):
+    """Three decode rows of up to 256 keys split 8 ways (16 partials of 64-wide heads a
+    program: the in-launch fold takes them 2 splits a load), with sinks. Returns
+    (step(merge) -> output, reference() -> float64 output, (q, seq_lens))."""
+    rows, h, d, bs, nblk = 3, 8, 64, 16, 16
+    kc, vc, bt, qsl, seq, q = decode_rows([5, 200, 77], nblk, h=h, d=d, bs=bs, device=device,
+                                          dtype=dtype)
+    sinks = torch.randn(h, device=device)
+
+    def step(merge: bool) -> torch.Tensor:
+        return triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, sinks,
+                                config=TritonConfig(block_n=32, waves=8, merge=merge))
+
+    def reference() -> torch.Tensor:
+        return gather_paged_attention(
+            q.double(), kc.double(), vc.double(), qsl, seq, bt,
+            torch.zeros(rows, dtype=torch.int64, device=device), d ** -0.5, rows, 1, nblk,
+            sinks=sinks.double())
+    return step, reference, (q, seq)
 
 
 @pytest.mark.cuda
@@ -477,20 +498,7 @@ def test_split_launches_merge_their_splits_themselves_eager_and_captured():
     device lengths under no_host_sync(); a capture on a stream without counters falls back
     to the merge kernel. Against float64, and every counter back at 0 after."""
     torch.manual_seed(0)
-    rows, h, d, bs, nblk = 3, 8, 64, 16, 16
-    kc, vc, bt, qsl, seq, q = decode_rows([5, 200, 77], nblk, h=h, d=d, bs=bs)
-    sinks = torch.randn(h, device="cuda")
-
-    def step(merge: bool) -> torch.Tensor:
-        return triton_attention(q, kc, vc, qsl, seq, bt, d ** -0.5, 1, nblk * bs, 0, 0.0, sinks,
-                                config=TritonConfig(block_n=32, waves=8, merge=merge))
-
-    def reference() -> torch.Tensor:
-        return gather_paged_attention(
-            q.double(), kc.double(), vc.double(), qsl, seq, bt,
-            torch.zeros(rows, dtype=torch.int64, device="cuda"), d ** -0.5, rows, 1, nblk,
-            sinks=sinks.double())
-
+    step, reference, (q, seq) = split_fold_case("cuda", torch.bfloat16)
     for merge in (True, False):
         torch.testing.assert_close(step(merge).double(), reference(), rtol=2e-2, atol=2e-2)
     warmed, bare = torch.cuda.Stream(), torch.cuda.Stream()

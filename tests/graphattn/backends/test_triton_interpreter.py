@@ -128,6 +128,9 @@ def _check_attention() -> None:
             torch.testing.assert_close(kc.double(), kref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vc.double(), vref)
     t.check_head_groups("cpu", torch.float32, 1e-4)  # programs taking part of a KV group
+    step, reference, _ = t.split_fold_case("cpu", torch.float32)
+    for merge in (True, False):  # the in-launch fold over several chunks of splits
+        torch.testing.assert_close(step(merge).double(), reference(), rtol=1e-4, atol=1e-4)
     made = triton_launch.SPLIT_COUNTERS.buffers(torch.device("cpu"))
     assert made, "no launch merged its splits itself"
     assert all(int(c.abs().sum()) == 0 for c in made)  # every last split reset its own
