@@ -13,9 +13,9 @@ KV another left in L2), and a row's `us` is the graph's time over that count: th
 gaps between calls, and the split merge's launch, count as they do in a step; one call per
 graph (`--layers 1`) is dominated by the graph launch. `waves` 0 is the unsplit kernel;
 every config runs with and without programmatic dependent launch (`pdl`), and split ones
-with their splits merged in the launch (`merge`, the default) or, with `--merge 0,1`, also by
-the merge kernel. Graphs are captured after a warm-up on their capture stream, as the runner
-captures, so the in-launch merge is what they record.
+with their splits merged by the merge kernel (`merge` off, the library's default) or, with
+`--merge 0,1`, also inside the launch. Graphs are captured after a warm-up on their capture
+stream, as the runner captures, so a merging launch records its in-launch merge.
 
 `--kv-dtype fp8_e4m3`: the caches hold float8 e4m3 (unit scales), a row's bandwidth counts
 one byte an element. `--suffix P`: the suffix pass of shared-prefix attention: each row's
@@ -114,9 +114,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--stages", default="2,3", help="num_stages to try (without --quick)")
     ap.add_argument("--waves", default="0,1,2,4", help="split targets to try (0: no split)")
     ap.add_argument("--pdl", default="0,1", help="pdl off (0) and/or on (1)")
-    ap.add_argument("--merge", default="1",
-                    help="split launches merge their splits themselves (1) and/or through the "
-                         "merge kernel (0)")
+    ap.add_argument("--merge", default="0",
+                    help="split launches merge their splits through the merge kernel (0, the "
+                         "library's default) and/or themselves (1)")
     ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8_e4m3"),
                     help="cache dtype")

@@ -121,12 +121,10 @@ def _online_softmax_tile(s, m_i, l_i, acc, qv, v_cache, page, slot, v_head, stri
 def _fold_partial(m_i, l_i, acc, part_out, part_lse, at, m_ok, offs_dv, dv_ok,
                   DV_PAD: tl.constexpr):
     """Fold the normalized partial at `at` (output part_out[at], log2-sum-exp part_lse[at])
-    into a running softmax (m_i, l_i in log2 units, unnormalized acc); returns the three.
-    The loads skip L1 (".cg"): another launch (the prefix pass) wrote them."""
-    lse = tl.load(part_lse + at, mask=m_ok, other=float("-inf"), cache_modifier=".cg")
+    into a running softmax (m_i, l_i in log2 units, unnormalized acc); returns the three."""
+    lse = tl.load(part_lse + at, mask=m_ok, other=float("-inf"))
     o = tl.load(part_out + at[:, None] * DV_PAD + offs_dv[None, :],
-                mask=(m_ok & (lse > float("-inf")))[:, None] & dv_ok[None, :], other=0.0,
-                cache_modifier=".cg")
+                mask=(m_ok & (lse > float("-inf")))[:, None] & dv_ok[None, :], other=0.0)
     m_new = tl.maximum(m_i, lse)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)

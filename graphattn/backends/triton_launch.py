@@ -26,7 +26,7 @@ from graphattn.transfer import CurrentStream
 
 __all__ = ["SPLIT_COUNTERS", "Append", "SplitCounters", "check_contiguous_caches",
            "indexer_scores", "launch_rope_write_kv", "launch_shared_prefix", "launch_write_kv",
-           "triton_attention", "triton_cascade"]
+           "merge_consts", "triton_attention", "triton_cascade"]
 
 
 @dataclass(frozen=True, slots=True)
