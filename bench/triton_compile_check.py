@@ -2,16 +2,17 @@
 passes, ptxas and cuobjdump (bundled with Triton) run on CPU, so a kernel that would not
 compile on the GPU box (a shape redefined in a branch, an intrinsic the installed Triton
 lacks) fails here first, and each variant's resources show (registers and stack bytes per
-thread: fewer programs fit an SM as they grow; a stack means spills; whether the loads go
-through a software pipeline, cp.async; shared-memory loads of single bytes, which an fp8
-tile read along its strided axis would take).
+thread, and the programs that fit a multiprocessor by them and the shared memory; a stack
+means spills; whether the loads go through a software pipeline, cp.async; shared-memory
+loads of single bytes, which an fp8 tile read along its strided axis would take).
 
     python -m bench.triton_compile_check [--arch 90]
 
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
 split or not, softcap / window / sinks, programmatic dependent launch), the fused
-rope + decode variant at the decode configs' tiles, the split merge, the KV writes (bf16
-and fp8 caches), the shared-prefix pass, the sparse indexer's scores and the small-M GEMV, with
+rope + decode variant at the decode configs' tiles, the fp8 decode tile under register caps
+(`TritonConfig.max_registers`), the split merge, the KV writes (bf16 and fp8 caches), the
+shared-prefix pass, the sparse indexer's scores and the small-M GEMV, with
 pointers and strides taken divisible by 16 as the JIT specializes them at a launch on real
 caches. The numbers are checked by tests/graphattn/backends/test_triton_interpreter.py
 (Triton's interpreter); this checks the build.
@@ -70,6 +71,13 @@ def registers(got: dict) -> int:
     return int(got["resources"].split()[0].split(":")[1])
 
 
+def programs_per_sm(res: str, shared: int, num_warps: int) -> int:
+    """Programs of a kernel that fit one sm_90 multiprocessor (65,536 registers, 227 KB of
+    shared memory a block may use), by its registers ("REG:n ...") and shared bytes."""
+    regs = max(1, int(res.split()[0].split(":")[1])) if res != "?" else 255
+    return min(65536 // (regs * 32 * num_warps), 232448 // max(1, shared), 32)
+
+
 def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
           **options) -> dict:
     """Compile `fn` for `target` (`pointers` overrides POINTERS' element types)."""
@@ -80,7 +88,10 @@ def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
                if name not in consts and (sig[name].startswith("*") or name.startswith("stride_"))}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=target,
                             options=options)
-    return {"shared": kernel.metadata.shared, "resources": resources(kernel.asm["cubin"]),
+    res = resources(kernel.asm["cubin"])
+    return {"shared": kernel.metadata.shared, "resources": res,
+            "programs_per_sm": programs_per_sm(res, kernel.metadata.shared,
+                                               options.get("num_warps", 4)),
             "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"],
             "pipelined": "cp.async" in kernel.asm["ptx"],
             "byte_smem_loads": kernel.asm["ptx"].count("ld.shared.b8")}
@@ -124,6 +135,17 @@ def _attention(target: GPUTarget) -> None:
                           FP8_CACHES if fp8 else None, num_warps=4, num_stages=2,
                           launch_pdl=True)
             assert registers(got) <= registers(apart) + 16, (got, apart)
+    for block_n, cap in itertools.product((64, 128), (64, 80)):
+        # the fp8 decode tile under a register cap (TritonConfig.max_registers): more
+        # programs a multiprocessor, at the price of the spills its stack shows
+        consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
+                      SPLIT=False, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
+                      USE_PDL=True, APPEND=False, ROTATE=False, USE_KV_START=False, FP8=True,
+                      PREFIX_PARTS=0, **merge_consts(False, 32, {"BLOCK_M": 16, **SHAPE}))
+        got = build(unified_attention_kernel, consts, target, FP8_CACHES, num_warps=4,
+                    num_stages=2, launch_pdl=True, maxnreg=cap)
+        print("decode fp8, max_registers", {"BLOCK_N": block_n, "cap": cap}, got)
+        assert registers(got) <= cap, got
 
 
 def _latent_and_shared(target: GPUTarget) -> None:
@@ -190,6 +212,13 @@ def _small_kernels(target: GPUTarget) -> None:
                     target, gemv, num_warps=4, num_stages=3)
         print("small_m_linear", {"M_PAD": m_pad, "BLOCK_N": block_n, "fused": fused}, got)
         assert got["pipelined"], "the GEMV's weight loads are not pipelined"
+    for fused in (False, True):  # the one-row default tile with programmatic dependent launch
+        got = build(small_m_linear_kernel, dict(K=2048, M_PAD=1, BLOCK_N=8, BLOCK_K=1024,
+                                                USE_PDL=True, IEEE=False, ADD=fused,
+                                                NORM=fused, GLU=fused, STAGES=1),
+                    target, gemv, num_warps=4, num_stages=1, launch_pdl=True)
+        print("small_m_linear pdl", {"fused": fused}, got)
+        assert got["pdl_wait"]
     for ieee in (False, True):  # DeepSeek-V3.2's indexer: 64 heads x 128 (bf16; float32)
         f32 = {"q_idx": "*fp32", "idx_cache": "*fp32"} if ieee else None
         print("indexer_scores", {"IEEE": ieee}, build(indexer_scores_kernel, dict(

@@ -117,6 +117,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--merge", default="0",
                     help="split launches merge their splits through the merge kernel (0, the "
                          "library's default) and/or themselves (1)")
+    ap.add_argument("--max-registers", default="0",
+                    help="registers a thread may take (TritonConfig.max_registers; 0: the "
+                         "compiler's choice)")
     ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8_e4m3"),
                     help="cache dtype")
@@ -139,7 +142,8 @@ def main():
     pdl, merge = (tuple(bool(v) for v in ints(text)) for text in (args.pdl, args.merge))
     grid = (ints(args.block_n), (4,), (2,), ints(args.waves), pdl) if args.quick else (
         ints(args.block_n), (4, 8), ints(args.stages), ints(args.waves), pdl)
-    configs = [TritonConfig(*c[:5], merge=c[5]) for c in itertools.product(*grid, merge)
+    configs = [TritonConfig(*c[:5], merge=c[5], max_registers=c[6])
+               for c in itertools.product(*grid, merge, ints(args.max_registers))
                if c[5] or c[3] != 0]  # merging is moot where nothing splits
     kv_dtype = cache_dtype(None if args.kv_dtype == "bfloat16" else args.kv_dtype,
                            torch.bfloat16)
@@ -182,7 +186,8 @@ def _print_robust(rows: list[dict]) -> None:
         bests[k] = min(bests.get(k, 1e9), r["us"])
     score = {}
     for r in rows:
-        c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"], r["pdl"], r["merge"])
+        c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"], r["pdl"], r["merge"],
+             r["max_registers"])
         k = (r["model"], r["batch"], r["length"])
         score.setdefault(c, []).append(r["us"] / bests[k])
     full = {c: max(v) for c, v in score.items() if len(v) == len(bests)}

@@ -60,6 +60,10 @@ class TritonConfig:
         kernel cost less than a fold that read one split at a time (4.8 against 7.2 µs a
         layer at 512 tokens, 7.7 against 19.4 µs at 2,048); the fold now reads chunks of
         splits a load, which has not been timed.
+    max_registers : int
+        Registers a thread may take (Triton's ``maxnreg``; 0: the compiler's choice). Fewer
+        registers let more programs share a multiprocessor, so more tiles are in flight
+        (`bench.triton_compile_check` prints registers and spills).
     """
 
     block_n: int = 64
@@ -70,6 +74,7 @@ class TritonConfig:
     fuse_rope: bool = False
     head_tile: int = 0
     merge: bool = False
+    max_registers: int = 0
 
 
 PREFILL_CONFIG = TritonConfig()

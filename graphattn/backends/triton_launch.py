@@ -271,7 +271,8 @@ def _launch_unified(cfg: TritonConfig, grid: tuple[int, int, int], consts: dict,
         q.stride(0), q.stride(1), *new, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=cfg.pdl, **consts)
+        launch_pdl=cfg.pdl, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
+        **consts)
 
 
 def _merge_splits(out: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor,
