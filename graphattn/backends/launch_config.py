@@ -76,6 +76,12 @@ class TritonConfig:
     merge: bool = False
     max_registers: int = 0
 
+    def __post_init__(self) -> None:
+        r = self.max_registers
+        if not isinstance(r, int) or isinstance(r, bool) or not (r == 0 or 16 <= r <= 255):
+            raise ValueError(f"TritonConfig.max_registers: expected 0 (the compiler's "
+                             f"choice) or 16-255 registers a thread, got {r!r}")
+
 
 PREFILL_CONFIG = TritonConfig()
 # the prefix pass of shared-prefix attention (`launch_shared_prefix`): `waves` is its split

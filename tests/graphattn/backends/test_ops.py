@@ -541,6 +541,14 @@ def test_decode_config_carries_pdl_and_splits_wider_below_96_programs():
         launch_config.decode_config(792).block_n
 
 
+@pytest.mark.parametrize("bad", [-1, 8, 256, 64.0, True])
+def test_triton_config_refuses_a_register_cap_triton_cannot_take(bad):
+    with pytest.raises(ValueError, match=rf"TritonConfig.max_registers: expected 0 .* got "
+                                         rf"{bad!r}"):
+        TritonConfig(max_registers=bad)
+    assert TritonConfig(max_registers=80).max_registers == 80
+
+
 @pytest.mark.cuda
 def test_triton_pdl_is_refused_where_the_device_lacks_it(monkeypatch):
 
