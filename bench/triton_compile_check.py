@@ -11,7 +11,8 @@ loads of single bytes, which an fp8 tile read along its strided axis would take)
 Compiles the unified attention kernel over its specializations (uniform or mixed rows,
 split or not, softcap / window / sinks, programmatic dependent launch), the fused
 rope + decode variant at the decode configs' tiles, the fp8 decode tile under register caps
-(`TritonConfig.max_registers`), the split merge, the KV writes (bf16 and fp8 caches), the
+(`TritonConfig.max_registers`) and with its block table prefetched (the K/V tiles'
+shared-memory buffers: `tile_buffers`), the split merge, the KV writes (bf16 and fp8 caches), the
 shared-prefix pass, the sparse indexer's scores and the small-M GEMV, with
 pointers and strides taken divisible by 16 as the JIT specializes them at a launch on real
 caches. The numbers are checked by tests/graphattn/backends/test_triton_interpreter.py
@@ -82,6 +83,8 @@ def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
           **options) -> dict:
     """Compile `fn` for `target` (`pointers` overrides POINTERS' element types)."""
     types = {**POINTERS, **(pointers or {})}
+    if "PREFETCH_PAGES" in fn.arg_names:
+        consts = {"PREFETCH_PAGES": False, **consts}
     sig = {name: "constexpr" if name in consts else types.get(
         name, "fp32" if name in FLOATS else "i32") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -94,6 +97,9 @@ def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
                                                options.get("num_warps", 4)),
             "pdl_wait": "griddepcontrol.wait" in kernel.asm["ptx"],
             "pipelined": "cp.async" in kernel.asm["ptx"],
+            "tile_buffers": max((int(n) for n in re.findall(
+                r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+", kernel.asm["ttgir"])),
+                default=0),
             "byte_smem_loads": kernel.asm["ptx"].count("ld.shared.b8")}
 
 
@@ -146,6 +152,18 @@ def _attention(target: GPUTarget) -> None:
                     num_stages=2, launch_pdl=True, maxnreg=cap)
         print("decode fp8, max_registers", {"BLOCK_N": block_n, "cap": cap}, got)
         assert registers(got) <= cap, got
+    for fp8, stages, prefetch in itertools.product((False, True), (2, 3), (False, True)):
+        # K/V tiles in flight: one at every num_stages unless the block table is prefetched
+        consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128 if fp8 else 64,
+                      UNIFORM=True, SPLIT=False, USE_SOFTCAP=False, USE_WINDOW=False,
+                      USE_SINKS=False, USE_PDL=True, APPEND=False, ROTATE=False,
+                      USE_KV_START=False, FP8=fp8, PREFIX_PARTS=0, PREFETCH_PAGES=prefetch,
+                      **merge_consts(False, 32, {"BLOCK_M": 16, **SHAPE}))
+        got = build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
+                    num_warps=4, num_stages=stages, launch_pdl=True)
+        print("decode, pages prefetched", {"fp8": fp8, "stages": stages, "prefetch": prefetch},
+              got)
+        assert got["tile_buffers"] == (stages - 1 if prefetch else 1), got
 
 
 def _latent_and_shared(target: GPUTarget) -> None:

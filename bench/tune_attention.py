@@ -120,6 +120,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--max-registers", default="0",
                     help="registers a thread may take (TritonConfig.max_registers; 0: the "
                          "compiler's choice)")
+    ap.add_argument("--prefetch-pages", default="0",
+                    help="without (0) and/or with (1) the block table prefetched a tile ahead "
+                         "(TritonConfig.prefetch_pages)")
     ap.add_argument("--layers", type=int, default=8, help="calls (own caches) per graph")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8_e4m3"),
                     help="cache dtype")
@@ -142,8 +145,9 @@ def main():
     pdl, merge = (tuple(bool(v) for v in ints(text)) for text in (args.pdl, args.merge))
     grid = (ints(args.block_n), (4,), (2,), ints(args.waves), pdl) if args.quick else (
         ints(args.block_n), (4, 8), ints(args.stages), ints(args.waves), pdl)
-    configs = [TritonConfig(*c[:5], merge=c[5], max_registers=c[6])
-               for c in itertools.product(*grid, merge, ints(args.max_registers))
+    configs = [TritonConfig(*c[:5], merge=c[5], max_registers=c[6], prefetch_pages=bool(c[7]))
+               for c in itertools.product(*grid, merge, ints(args.max_registers),
+                                          ints(args.prefetch_pages))
                if c[5] or c[3] != 0]  # merging is moot where nothing splits
     kv_dtype = cache_dtype(None if args.kv_dtype == "bfloat16" else args.kv_dtype,
                            torch.bfloat16)
@@ -187,7 +191,7 @@ def _print_robust(rows: list[dict]) -> None:
     score = {}
     for r in rows:
         c = (r["block_n"], r["num_warps"], r["num_stages"], r["waves"], r["pdl"], r["merge"],
-             r["max_registers"])
+             r["max_registers"], r["prefetch_pages"])
         k = (r["model"], r["batch"], r["length"])
         score.setdefault(c, []).append(r["us"] / bests[k])
     full = {c: max(v) for c, v in score.items() if len(v) == len(bests)}

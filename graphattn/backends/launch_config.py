@@ -64,6 +64,13 @@ class TritonConfig:
         Registers a thread may take (Triton's ``maxnreg``; 0: the compiler's choice). Fewer
         registers let more programs share a multiprocessor, so more tiles are in flight
         (`bench.triton_compile_check` prints registers and spills).
+    prefetch_pages : bool
+        Each loop iteration loads the next key tile's block-table entries, so the K/V
+        tiles' addresses are known an iteration ahead and Triton's software pipeline keeps
+        ``num_stages - 1`` of them in flight through shared memory (2 at ``num_stages=3``).
+        Off (the default), the tiles' addresses come from a load in the same iteration and
+        the pipeline keeps one K/V tile at every ``num_stages`` (`bench.triton_compile_check`
+        prints the buffers); on, the decode tile takes a few more registers. Not timed yet.
     """
 
     block_n: int = 64
@@ -75,6 +82,7 @@ class TritonConfig:
     head_tile: int = 0
     merge: bool = False
     max_registers: int = 0
+    prefetch_pages: bool = False
 
     def __post_init__(self) -> None:
         r = self.max_registers

@@ -152,7 +152,7 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr, APPEND: tl.constexpr, ROTATE: tl.constexpr,
     USE_KV_START: tl.constexpr, FP8: tl.constexpr, PREFIX_PARTS: tl.constexpr,
-    MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
 ):
     """Program (tile x head group, KV head, split) takes G_TILE of the G query heads of its
     KV head (all G unless the tile would not fit: MLA's 128 latent heads).
@@ -291,10 +291,20 @@ def unified_attention_kernel(
         m_i, l_i, acc = _fold_partial(
             m_i, l_i, acc, part_out, part_lse, (tok * num_heads + head) * num_parts + part_i,
             m_ok, offs_dv, dv_ok, DV_PAD)
+    if PREFETCH_PAGES:  # the first tile's pages; each iteration loads the next tile's
+        offs_p = start + tl.arange(0, BLOCK_N)
+        page_next = tl.load(block_table + row * stride_bt + offs_p // PAGE,
+                            mask=(offs_p < stop) & (offs_p >= seg_lo), other=0)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)
-        page = tl.load(block_table + row * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        if PREFETCH_PAGES:
+            page = page_next
+            offs_p = offs_n + BLOCK_N
+            page_next = tl.load(block_table + row * stride_bt + offs_p // PAGE,
+                                mask=(offs_p < stop) & (offs_p >= seg_lo), other=0)
+        else:
+            page = tl.load(block_table + row * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = offs_n % PAGE
         s = _tile_logits(qv, k_cache, page, slot, kvh * stride_kh, stride_kb, stride_ks,
                          offs_d, n_ok, d_ok, scale, softcap, USE_SOFTCAP)

@@ -172,6 +172,7 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   SPLIT=num_splits > 1 or parts is not None, APPEND=append is not None,
                   ROTATE=append is not None and append.inv_freq is not None,
                   PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1],
+                  PREFETCH_PAGES=cfg.prefetch_pages,
                   **merge_consts(counters is not None, num_splits, consts))
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]

@@ -103,7 +103,8 @@ def _check_attention() -> None:
         for waves, merge in ((0, True), (64, True), (64, False)):  # unsplit; split, merged in
             # the launch or by the merge kernel
             config = launch_config.TritonConfig(block_n=16, waves=waves, merge=merge,
-                                                max_registers=64 if waves == 0 else 0)
+                                                max_registers=64 if waves == 0 else 0,
+                                                prefetch_pages=merge)
             case = t._decode_qkv_case("cpu", torch.float32)
             qkv, pos, inv, kc, vc, qsl, seq, bt, slots = case
             ref, kref, vref = t._decode_qkv_reference(case, h, hkv, f.get("window", 0),
