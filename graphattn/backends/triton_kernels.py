@@ -171,6 +171,9 @@ def unified_attention_kernel(
     program_id(1)]`` (int32, 0 before the launch) after writing their partials; the last
     one folds every partial into the output (and the sinks), MERGE_CHUNK splits a load,
     and puts the counter back to 0, so no merge kernel runs.
+    PREFETCH_PAGES: each iteration loads the next key tile's block-table entries, so the
+    K/V tiles' addresses are loop-carried and the software pipeline can buffer
+    ``num_stages - 1`` K/V tiles (`TritonConfig.prefetch_pages`).
 
     APPEND (one-token decode rows, UNIFORM with BLOCK_Q 1, HEAD_DIM a power of two equal
     to HEAD_DIM_V): each token's new key and value are `k_new` / `v_new` [T, Hkv, D]; the
