@@ -125,7 +125,7 @@ def _attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   DV_PAD=max(16, pow2(dv)), BLOCK_Q=block_q,
                   BLOCK_M=max(16, pow2(block_q * g_tile)),
                   BLOCK_N=block_n, PAGE=k_cache.shape[1], UNIFORM=bool(uniform_query_len),
-                  USE_PDL=cfg.pdl)
+                  USE_PDL=cfg.pdl, PREFETCH_PAGES=cfg.prefetch_pages)
     return cfg, num_tiles, num_splits, consts
 
 
@@ -172,7 +172,6 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   SPLIT=num_splits > 1 or parts is not None, APPEND=append is not None,
                   ROTATE=append is not None and append.inv_freq is not None,
                   PREFIX_PARTS=0 if prefix is None else prefix[1].shape[-1],
-                  PREFETCH_PAGES=cfg.prefetch_pages,
                   **merge_consts(counters is not None, num_splits, consts))
     # not filled: every token is written (0 when padded); with `parts`, only a placeholder
     out = q.new_empty(t, h, dv) if parts is None else parts[0]
