@@ -67,16 +67,21 @@ def resources(cubin: bytes) -> str:
     return m.group(0) if m else "?"
 
 
+def _registers(res: str) -> int:
+    """Registers a thread from `resources`' "REG:n STACK:n" (255 where it is unknown)."""
+    return int(res.split()[0].split(":")[1]) if res != "?" else 255
+
+
 def registers(got: dict) -> int:
     """The registers a thread of a `build` result's kernel takes."""
-    return int(got["resources"].split()[0].split(":")[1])
+    return _registers(got["resources"])
 
 
 def programs_per_sm(res: str, shared: int, num_warps: int) -> int:
     """Programs of a kernel that fit one sm_90 multiprocessor (65,536 registers, 227 KB of
     shared memory a block may use), by its registers ("REG:n ...") and shared bytes."""
-    regs = max(1, int(res.split()[0].split(":")[1])) if res != "?" else 255
-    return min(65536 // (regs * 32 * num_warps), 232448 // max(1, shared), 32)
+    return min(65536 // (max(1, _registers(res)) * 32 * num_warps), 232448 // max(1, shared),
+               32)
 
 
 def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
@@ -106,6 +111,15 @@ def build(fn, consts: dict, target: GPUTarget, pointers: dict | None = None,
 SHAPE = dict(G=4, G_TILE=4, HEAD_DIM=64, HEAD_DIM_V=64, D_PAD=64, DV_PAD=64, PAGE=16)
 
 
+def _decode_consts(block_n: int, fp8: bool, split: bool = False, rope: bool = False,
+                   prefetch: bool = False) -> dict:
+    """The unified kernel's constants for a one-token decode launch of `SHAPE` with PDL."""
+    return dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True, SPLIT=split,
+                USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False, USE_PDL=True,
+                APPEND=rope, ROTATE=rope, USE_KV_START=False, FP8=fp8, PREFIX_PARTS=0,
+                PREFETCH_PAGES=prefetch, **merge_consts(split, 32, {"BLOCK_M": 16, **SHAPE}))
+
+
 def _attention(target: GPUTarget) -> None:
     """The unified kernel over every feature flag, then the decode tiles (rotary append,
     64- to 256-key tiles, split, fp8)."""
@@ -127,11 +141,7 @@ def _attention(target: GPUTarget) -> None:
                                                        (False, True), (False, True)):
         if block_n == 256 and not fp8:
             continue  # 256-key tiles: fp8 only (a config a caller may pass)
-        consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
-                      SPLIT=split, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      USE_PDL=True, APPEND=rope, ROTATE=rope, USE_KV_START=False,
-                      FP8=fp8, PREFIX_PARTS=0,
-                      **merge_consts(split, 32, {"BLOCK_M": 16, **SHAPE}))
+        consts = _decode_consts(block_n, fp8, split, rope)
         got = build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=2, launch_pdl=True)
         print("decode", {"APPEND": rope, "BLOCK_N": block_n, "SPLIT": split, "fp8": fp8}, got)
@@ -144,21 +154,13 @@ def _attention(target: GPUTarget) -> None:
     for block_n, cap in itertools.product((64, 128), (64, 80)):
         # the fp8 decode tile under a register cap (TritonConfig.max_registers): more
         # programs a multiprocessor, at the price of the spills its stack shows
-        consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, UNIFORM=True,
-                      SPLIT=False, USE_SOFTCAP=False, USE_WINDOW=False, USE_SINKS=False,
-                      USE_PDL=True, APPEND=False, ROTATE=False, USE_KV_START=False, FP8=True,
-                      PREFIX_PARTS=0, **merge_consts(False, 32, {"BLOCK_M": 16, **SHAPE}))
-        got = build(unified_attention_kernel, consts, target, FP8_CACHES, num_warps=4,
-                    num_stages=2, launch_pdl=True, maxnreg=cap)
+        got = build(unified_attention_kernel, _decode_consts(block_n, True), target, FP8_CACHES,
+                    num_warps=4, num_stages=2, launch_pdl=True, maxnreg=cap)
         print("decode fp8, max_registers", {"BLOCK_N": block_n, "cap": cap}, got)
         assert registers(got) <= cap, got
     for fp8, stages, prefetch in itertools.product((False, True), (2, 3), (False, True)):
         # K/V tiles in flight: one at every num_stages unless the block table is prefetched
-        consts = dict(**SHAPE, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128 if fp8 else 64,
-                      UNIFORM=True, SPLIT=False, USE_SOFTCAP=False, USE_WINDOW=False,
-                      USE_SINKS=False, USE_PDL=True, APPEND=False, ROTATE=False,
-                      USE_KV_START=False, FP8=fp8, PREFIX_PARTS=0, PREFETCH_PAGES=prefetch,
-                      **merge_consts(False, 32, {"BLOCK_M": 16, **SHAPE}))
+        consts = _decode_consts(128 if fp8 else 64, fp8, prefetch=prefetch)
         got = build(unified_attention_kernel, consts, target, FP8_CACHES if fp8 else None,
                     num_warps=4, num_stages=stages, launch_pdl=True)
         print("decode, pages prefetched", {"fp8": fp8, "stages": stages, "prefetch": prefetch},

@@ -86,6 +86,14 @@ def _to_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _tile_pages(block_table, row_table, offs_n, seg_lo, stop, PAGE: tl.constexpr):
+    """The pages of keys `offs_n` in a row's block table (`row_table`: its first entry),
+    0 for keys outside [seg_lo, stop)."""
+    return tl.load(block_table + row_table + offs_n // PAGE,
+                   mask=(offs_n < stop) & (offs_n >= seg_lo), other=0)
+
+
+@triton.jit
 def _tile_logits(qv, k_cache, page, slot, k_head, stride_kb, stride_ks, offs_d, n_ok, d_ok,
                  scale, softcap, USE_SOFTCAP: tl.constexpr):
     """Logits (log2 units) of the queries `qv` against one tile of keys read through `page`
@@ -295,19 +303,17 @@ def unified_attention_kernel(
             m_i, l_i, acc, part_out, part_lse, (tok * num_heads + head) * num_parts + part_i,
             m_ok, offs_dv, dv_ok, DV_PAD)
     if PREFETCH_PAGES:  # the first tile's pages; each iteration loads the next tile's
-        offs_p = start + tl.arange(0, BLOCK_N)
-        page_next = tl.load(block_table + row * stride_bt + offs_p // PAGE,
-                            mask=(offs_p < stop) & (offs_p >= seg_lo), other=0)
+        page_next = _tile_pages(block_table, row * stride_bt, start + tl.arange(0, BLOCK_N),
+                                seg_lo, stop, PAGE)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < stop) & (offs_n >= seg_lo)
         if PREFETCH_PAGES:
             page = page_next
-            offs_p = offs_n + BLOCK_N
-            page_next = tl.load(block_table + row * stride_bt + offs_p // PAGE,
-                                mask=(offs_p < stop) & (offs_p >= seg_lo), other=0)
+            page_next = _tile_pages(block_table, row * stride_bt, offs_n + BLOCK_N, seg_lo,
+                                    stop, PAGE)
         else:
-            page = tl.load(block_table + row * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+            page = _tile_pages(block_table, row * stride_bt, offs_n, seg_lo, stop, PAGE)
         slot = offs_n % PAGE
         s = _tile_logits(qv, k_cache, page, slot, kvh * stride_kh, stride_kb, stride_ks,
                          offs_d, n_ok, d_ok, scale, softcap, USE_SOFTCAP)
